@@ -1,0 +1,111 @@
+"""Frozen configuration objects, one per concern.
+
+Every field is validated in ``__post_init__`` so a bad value fails where it is
+written, not at part 10,001 of an upload.
+
+Peak extra host memory of a save is bounded by the byte budget::
+
+    peak_extra ~= part_size * max_inflight_parts
+
+(16 MiB x 8 = 128 MiB by default), whatever the size of the shard, because
+every part buffer is taken from one :class:`~dcp_cloud.transfer.budget.ByteBudget`
+and returned once the part is uploaded. Loads take their scratch buffers from
+a budget of the same size; tensors are read straight into their destination
+where the layout allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How bytes move between host memory and the store.
+
+    Defaults: 16 MiB parts sit well above S3's 5 MiB minimum and are where the
+    per-request overhead stops mattering on real S3 and GCS; 8 parts in
+    flight keep 8 connections busy (enough to fill ~1 GB/s links from one
+    rank) for a 128 MiB memory budget.
+    """
+
+    #: Size of every multipart part but the last (bytes). S3 needs >= 5 MiB.
+    part_size: int = 16 * MiB
+    #: Most part buffers alive at once in one process; with ``part_size`` it
+    #: sets the memory budget ``part_size * max_inflight_parts``.
+    max_inflight_parts: int = 8
+    #: Worker threads issuing requests (uploads and ranged reads).
+    concurrency: int = 8
+    #: Objects smaller than this are written with one PUT instead of multipart.
+    multipart_threshold: int = 16 * MiB
+    #: Ranged reads are split into pieces of at most this size, read in parallel.
+    read_chunk_size: int = 16 * MiB
+    #: Two wanted ranges closer than this are fetched with one request; the
+    #: gap is read into scratch memory and discarded.
+    coalesce_gap: int = 64 * 1024
+    #: Checksum granularity (bytes of an item per CRC32C). Smaller blocks make
+    #: partial reads cheaper to verify; larger ones make metadata smaller.
+    checksum_block_size: int = 1 * MiB
+    #: Verify CRC32C of every byte read against the checksums saved with the
+    #: checkpoint (checkpoints written without checksums are read unverified).
+    verify_checksums: bool = True
+    #: Refuse objects larger than this many bytes (S3's object limit is 5 TiB).
+    max_object_size: int = 5 * 1024 * 1024 * MiB
+
+    def __post_init__(self) -> None:
+        _require(self.part_size >= 1, f"part_size must be positive, got {self.part_size}")
+        _require(self.max_inflight_parts >= 1, f"max_inflight_parts must be >= 1, got {self.max_inflight_parts}")
+        _require(self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}")
+        _require(self.multipart_threshold >= 1, f"multipart_threshold must be >= 1, got {self.multipart_threshold}")
+        _require(self.read_chunk_size >= 4096, f"read_chunk_size must be >= 4096, got {self.read_chunk_size}")
+        _require(self.coalesce_gap >= 0, f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
+        _require(
+            self.checksum_block_size >= 4096,
+            f"checksum_block_size must be >= 4096, got {self.checksum_block_size}",
+        )
+        _require(self.max_object_size >= 1, f"max_object_size must be positive, got {self.max_object_size}")
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes of part/scratch buffers one process may hold at once."""
+        return self.part_size * self.max_inflight_parts
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """The one retry policy: jittered exponential backoff, bounded attempts and time.
+
+    Only errors classified transient (throttling, 5xx, connection resets,
+    timeouts, short bodies) are retried.
+    """
+
+    #: Total attempts per request, the first included.
+    max_attempts: int = 10
+    #: Backoff before the first retry (seconds); doubles each retry.
+    initial_backoff: float = 0.1
+    #: Cap of one backoff (seconds).
+    max_backoff: float = 10.0
+    #: Growth factor of the backoff.
+    multiplier: float = 2.0
+    #: Give up on one request after this many seconds, attempts left or not.
+    deadline: float = 300.0
+    #: Per-request socket connect/read timeout (seconds); a stalled response
+    #: becomes a retryable timeout after this long.
+    request_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_attempts >= 1, f"max_attempts must be >= 1, got {self.max_attempts}")
+        _require(self.initial_backoff >= 0, f"initial_backoff must be >= 0, got {self.initial_backoff}")
+        _require(self.max_backoff >= self.initial_backoff, "max_backoff must be >= initial_backoff")
+        _require(self.multiplier >= 1.0, f"multiplier must be >= 1, got {self.multiplier}")
+        _require(self.deadline > 0, f"deadline must be positive, got {self.deadline}")
+        _require(self.request_timeout > 0, f"request_timeout must be positive, got {self.request_timeout}")

@@ -1,0 +1,80 @@
+"""Typed errors of dcp_cloud.
+
+Every error subclasses :class:`DcpCloudError` *and* the builtin exception a
+user would naturally catch (``FileNotFoundError``, ``PermissionError``...), so
+``except FileNotFoundError`` keeps working for code that does not know us.
+The SDK exception that caused an error is kept as ``__cause__``. Messages name
+the object (bucket/key) and say what to do; they never contain credentials or
+object bodies.
+"""
+
+from __future__ import annotations
+
+
+class DcpCloudError(Exception):
+    """Base class of every error raised by dcp_cloud."""
+
+
+class InvalidURIError(DcpCloudError, ValueError):
+    """A checkpoint URI is malformed or has the wrong scheme for the class."""
+
+
+class ConfigError(DcpCloudError, ValueError):
+    """A configuration value is outside what the store or the engine accepts."""
+
+
+class BucketNotFoundError(DcpCloudError, FileNotFoundError):
+    """The bucket named by the URI does not exist."""
+
+
+class AccessDeniedError(DcpCloudError, PermissionError):
+    """The credentials in use are missing, wrong, or lack a permission."""
+
+
+class ObjectNotFoundError(DcpCloudError, FileNotFoundError):
+    """A single object the checkpoint refers to does not exist."""
+
+
+class PreconditionFailedError(DcpCloudError, FileExistsError):
+    """A create-only or if-match write lost against a concurrent writer."""
+
+
+class CheckpointNotFoundError(DcpCloudError, FileNotFoundError):
+    """No committed checkpoint at the URI (missing, or metadata never written)."""
+
+
+class CheckpointExistsError(DcpCloudError, FileExistsError):
+    """A committed checkpoint already exists and ``overwrite`` is off."""
+
+
+class CorruptCheckpointError(DcpCloudError, ValueError):
+    """The checkpoint's metadata or an object is malformed, truncated or foreign."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read back do not match the checksum recorded at save time."""
+
+
+class TransientStoreError(DcpCloudError, OSError):
+    """A retryable fault (throttling, 5xx, reset, timeout) that outlived the retry budget."""
+
+
+class StoreError(DcpCloudError, OSError):
+    """Any other failure reported by the object store."""
+
+
+__all__ = [
+    "AccessDeniedError",
+    "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DcpCloudError",
+    "InvalidURIError",
+    "ObjectNotFoundError",
+    "PreconditionFailedError",
+    "StoreError",
+    "TransientStoreError",
+]

@@ -1,0 +1,140 @@
+"""The small object-store protocol every backend implements.
+
+A store is bound to one bucket. Each method makes **one attempt** and reports
+failure with the typed errors of :mod:`dcp_cloud.errors`; retries live in
+exactly one place, :mod:`dcp_cloud.store.retry`. Methods must be thread-safe:
+the transfer engine calls them from a pool of worker threads.
+
+"Multipart" is the store's way of building one large object from parts that
+are uploaded in parallel. S3 maps it to multipart uploads; GCS maps it to
+temporary component objects joined by ``compose``; the local store to part
+files joined on completion. The engine never knows which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a store knows about one object."""
+
+    key: str
+    size: int
+    #: Opaque version token (S3 ETag, GCS generation, local mtime_ns).
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One uploaded part of a multipart upload (``number`` is 1-based)."""
+
+    number: int
+    token: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """A multipart upload that was started and neither completed nor aborted."""
+
+    key: str
+    upload_id: str
+    #: Seconds since the epoch when the upload started, if the store knows.
+    initiated: float | None = None
+
+
+@dataclass(frozen=True)
+class PartLimits:
+    """Size rules for multipart uploads on a store."""
+
+    #: Smallest size of every part but the last.
+    min_part_size: int
+    #: Largest size of any part.
+    max_part_size: int
+    #: Most parts in one upload.
+    max_parts: int
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """One bucket of an object store. See the module docstring for the rules."""
+
+    #: ``"s3"``, ``"gs"``, ``"file"`` or ``"memory"``.
+    scheme: str
+    #: The bucket (or root directory) this store is bound to.
+    bucket: str
+    limits: PartLimits
+
+    def url(self, key: str) -> str:
+        """The user-facing URL of ``key`` (used in messages)."""
+        ...
+
+    def check_bucket(self) -> None:
+        """Raise BucketNotFoundError / AccessDeniedError unless the bucket is usable."""
+        ...
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        """Write a whole object. ``create_only`` raises PreconditionFailedError if ``key`` exists.
+
+        ``crc32c`` (of ``data``) is sent to the server where the API allows, so
+        corruption in flight is rejected by the server.
+        """
+        ...
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        """Read ``sum(len(o) for o in outs)`` bytes of ``key`` from ``start``, scattered into ``outs``.
+
+        One request: the body fills ``outs[0]``, then ``outs[1]``, ... in order
+        (a scatter read, so nearby ranges coalesce into one GET without a copy).
+        A short body raises TransientStoreError (retryable); a range past the end
+        of the object raises CorruptCheckpointError.
+        """
+        ...
+
+    def get(self, key: str) -> bytes:
+        """Read a whole (small) object."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo:
+        """Describe ``key``; ObjectNotFoundError if absent."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """All objects whose key starts with ``prefix``, in key order."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete objects; keys that do not exist are ignored."""
+        ...
+
+    def create_multipart(self, key: str) -> str:
+        """Start a multipart upload of ``key``; returns its upload id."""
+        ...
+
+    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+        """Upload part ``number`` (1-based). Re-uploading a number replaces it."""
+        ...
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
+    ) -> ObjectInfo:
+        """Join ``parts`` (in order) into ``key`` and release the upload."""
+        ...
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Discard an upload and every part of it. Unknown uploads are ignored."""
+        ...
+
+    def list_multipart(self, prefix: str) -> list[PendingUpload]:
+        """Uploads under ``prefix`` that were neither completed nor aborted."""
+        ...
+
+    def close(self) -> None:
+        """Release clients and connections (the store may be used again after)."""
+        ...
