@@ -1,0 +1,135 @@
+"""The one retry loop of dcp_cloud, and a store wrapper that routes every call through it.
+
+Stores make one attempt per call and raise typed errors; only
+:class:`~dcp_cloud.errors.TransientStoreError` (throttling, 5xx, resets,
+timeouts, short bodies) is retried, with full-jitter exponential backoff,
+bounded by ``RetryConfig.max_attempts`` and ``RetryConfig.deadline``.
+Clock, sleep and random source are injectable for tests.
+
+Every call the wrapper makes is idempotent or made safe by its caller:
+``put``/``put_part`` rewrite the same bytes; a create-only ``put`` or
+``complete_multipart`` that fails with a precondition error *after* a retry
+may have succeeded on the lost attempt, so the error carries
+``after_retry=True`` and the caller checks what is stored.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ..config import RetryConfig
+from ..errors import DcpCloudError, TransientStoreError
+from .protocol import Buffer, ObjectInfo, ObjectStore, PartInfo, PendingUpload
+
+T = TypeVar("T")
+
+
+@dataclass
+class RetryHooks:
+    """Injectable side effects of the retry loop (tests replace them)."""
+
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    rand: Callable[[], float] = random.random
+    #: Called once per attempt made (for request statistics).
+    on_attempt: Callable[[str], None] = field(default=lambda op: None)
+    #: Called before each retry with the error that caused it.
+    on_retry: Callable[[str, BaseException], None] = field(default=lambda op, exc: None)
+
+
+def backoff_delay(config: RetryConfig, retry_number: int, rand: Callable[[], float]) -> float:
+    """Full-jitter backoff before retry ``retry_number`` (1-based)."""
+    cap = min(config.max_backoff, config.initial_backoff * config.multiplier ** (retry_number - 1))
+    return cap * rand()
+
+
+def call_with_retry(op: str, fn: Callable[[], T], config: RetryConfig, hooks: RetryHooks | None = None) -> T:
+    """Run ``fn`` until it succeeds, a non-transient error occurs, or the budget runs out."""
+    hooks = hooks or RetryHooks()
+    start = hooks.clock()
+    attempt = 0
+    while True:
+        attempt += 1
+        hooks.on_attempt(op)
+        try:
+            return fn()
+        except TransientStoreError as exc:
+            elapsed = hooks.clock() - start
+            delay = backoff_delay(config, attempt, hooks.rand)
+            if attempt >= config.max_attempts or elapsed + delay > config.deadline:
+                raise TransientStoreError(
+                    f"{op} failed after {attempt} attempt(s) over {elapsed:.1f}s: {exc} "
+                    "(the store kept failing with transient errors; retry later or raise RetryConfig limits)"
+                ) from exc
+            hooks.on_retry(op, exc)
+            hooks.sleep(delay)
+        except DcpCloudError as exc:
+            if attempt > 1:
+                exc.after_retry = True  # type: ignore[attr-defined]
+            raise
+
+
+class RetryingStore:
+    """An ObjectStore that runs every call of ``inner`` through :func:`call_with_retry`."""
+
+    def __init__(self, inner: ObjectStore, config: RetryConfig, hooks: RetryHooks | None = None) -> None:
+        self.inner = inner
+        self.config = config
+        self.hooks = hooks or RetryHooks()
+        self.scheme = inner.scheme
+        self.bucket = inner.bucket
+        self.limits = inner.limits
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        return call_with_retry(op, fn, self.config, self.hooks)
+
+    def url(self, key: str) -> str:
+        return self.inner.url(key)
+
+    def check_bucket(self) -> None:
+        self._call("check_bucket", self.inner.check_bucket)
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        self._call("read", lambda: self.inner.read_into(key, start, outs))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", lambda: self.inner.get(key))
+
+    def head(self, key: str) -> ObjectInfo:
+        return self._call("head", lambda: self.inner.head(key))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return iter(self._call("list", lambda: list(self.inner.list(prefix))))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        self._call("delete", lambda: self.inner.delete(keys))
+
+    def create_multipart(self, key: str) -> str:
+        return self._call("create_multipart", lambda: self.inner.create_multipart(key))
+
+    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+        return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
+    ) -> ObjectInfo:
+        return self._call(
+            "complete_multipart",
+            lambda: self.inner.complete_multipart(key, upload_id, parts, create_only=create_only),
+        )
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self._call("abort_multipart", lambda: self.inner.abort_multipart(key, upload_id))
+
+    def list_multipart(self, prefix: str) -> list[PendingUpload]:
+        return self._call("list_multipart", lambda: self.inner.list_multipart(prefix))
+
+    def close(self) -> None:
+        self.inner.close()

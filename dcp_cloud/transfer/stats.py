@@ -1,0 +1,79 @@
+"""Transfer statistics: bytes, requests, retries and time, per writer/reader."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """A snapshot of what one save or load moved (this process only)."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    #: Requests attempted, by operation ("put", "put_part", "read", ...).
+    requests: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
+    seconds: float = 0.0
+    #: Peak bytes leased from the memory budget.
+    peak_buffer_bytes: int = 0
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def throughput_mb_s(self) -> float:
+        moved = self.bytes_written + self.bytes_read
+        return moved / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+class StatsRecorder:
+    """Thread-safe counters behind :class:`TransferStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._written = 0
+            self._read = 0
+            self._requests: Counter[str] = Counter()
+            self._retries = 0
+            self._start = time.perf_counter()
+            self._seconds = 0.0
+
+    def on_attempt(self, op: str) -> None:
+        with self._lock:
+            self._requests[op] += 1
+
+    def on_retry(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._retries += 1
+
+    def add_written(self, n: int) -> None:
+        with self._lock:
+            self._written += n
+
+    def add_read(self, n: int) -> None:
+        with self._lock:
+            self._read += n
+
+    def stop_clock(self) -> None:
+        with self._lock:
+            self._seconds = time.perf_counter() - self._start
+
+    def snapshot(self, peak_buffer_bytes: int = 0) -> TransferStats:
+        with self._lock:
+            return TransferStats(
+                bytes_written=self._written,
+                bytes_read=self._read,
+                requests=dict(self._requests),
+                retries=self._retries,
+                seconds=self._seconds,
+                peak_buffer_bytes=peak_buffer_bytes,
+            )
