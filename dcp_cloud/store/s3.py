@@ -1,0 +1,756 @@
+"""Amazon S3 (and S3-compatible) object store over boto3.
+
+Credentials come only from the standard AWS chain (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, SSO, instance and container
+roles). With ``endpoint_url`` and ``region`` left ``None``, boto3 also honours
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, so pointing the store at MinIO, moto or another
+S3-compatible server needs no code change.
+
+Every method makes exactly one attempt (boto3's own retries are off) and
+reports failure with the typed errors of :mod:`dcp_cloud.errors`; the single
+function :func:`_translate` decides which one.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import os
+import re
+import ssl
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import crc32c as _crc32c
+
+from ..errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpCloudError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    TransientStoreError,
+)
+from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+#: S3's own multipart rules.
+S3_PART_LIMITS = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=10_000)
+
+#: Most keys one DeleteObjects request may name.
+_DELETE_BATCH = 1000
+#: Bytes read per call when a body has to be read through urllib3 (it copies).
+_COPY_CHUNK = 1 * MiB
+
+_ADDRESSING_STYLES = ("auto", "path", "virtual")
+_REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Where and how to reach S3. Holds no credentials, by design.
+
+    Every field left at ``None`` falls back to the standard AWS configuration
+    (environment variables, then ``~/.aws/config``).
+    """
+
+    #: Endpoint of an S3-compatible server, e.g. ``"http://127.0.0.1:9000"``.
+    #: ``None``: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` / the profile's
+    #: ``endpoint_url``, else AWS itself. Must be ``http(s)://host[:port][/path]``
+    #: and must not carry credentials (``user:pass@``).
+    endpoint_url: str | None = None
+    #: Region to sign requests for, e.g. ``"us-east-1"``. ``None``:
+    #: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's ``region``.
+    region: str | None = None
+    #: Named profile of ``~/.aws/config`` to take credentials and settings
+    #: from. ``None``: ``AWS_PROFILE``, else the default chain.
+    profile: str | None = None
+    #: ``"path"`` puts the bucket in the URL path (``host/bucket/key``), which
+    #: most S3-compatible servers need; ``"virtual"`` puts it in the host name
+    #: (``bucket.host/key``); ``"auto"`` lets boto3 (and ``~/.aws/config``) choose.
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    #: Send the CRC32C of every uploaded body (whole objects and parts) so the
+    #: server rejects bytes corrupted in flight. Turn off for S3-compatible
+    #: servers that reject the ``x-amz-checksum-crc32c`` header.
+    transport_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            _require(
+                isinstance(self.endpoint_url, str) and bool(self.endpoint_url),
+                f"endpoint_url must be a non-empty string or None, got {self.endpoint_url!r}",
+            )
+            parts = urlsplit(self.endpoint_url)
+            _require(
+                parts.scheme in ("http", "https") and bool(parts.hostname),
+                "endpoint_url must look like http(s)://host[:port], got a value without "
+                "an http/https scheme or a host",
+            )
+            # Never echo the URL here: it may be the one carrying a secret.
+            _require(
+                parts.username is None and parts.password is None,
+                "endpoint_url must not contain credentials (user:password@); "
+                "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile",
+            )
+            _require(
+                not parts.query and not parts.fragment,
+                f"endpoint_url must not have a query or fragment, got {self.endpoint_url!r}",
+            )
+        if self.region is not None:
+            _require(
+                isinstance(self.region, str) and bool(_REGION_RE.match(self.region)),
+                f"region must be a region name like 'us-east-1' or None, got {self.region!r}",
+            )
+        if self.profile is not None:
+            _require(
+                isinstance(self.profile, str) and bool(self.profile.strip()),
+                f"profile must be a non-empty profile name or None, got {self.profile!r}",
+            )
+        _require(
+            self.addressing_style in _ADDRESSING_STYLES,
+            f"addressing_style must be one of {_ADDRESSING_STYLES}, got {self.addressing_style!r}",
+        )
+        _require(
+            isinstance(self.transport_checksums, bool),
+            f"transport_checksums must be a bool, got {self.transport_checksums!r}",
+        )
+
+
+# --------------------------------------------------------------------------
+# Error translation: the only place that decides which typed error a failure is.
+
+_BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "RequestTimeTooSkewed",
+        "Forbidden",
+        "403",
+    }
+)
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+        "BandwidthLimitExceeded",
+        "OperationAborted",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+_RANGE_CODES = frozenset({"InvalidRange", "416"})
+_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "301"})
+
+
+def _s3_url(bucket: str, key: str | None) -> str:
+    return f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+
+
+def _caused_by_cert_failure(exc: BaseException) -> bool:
+    """True if a TLS certificate check (not a dropped connection) is behind ``exc``."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        cur = todo.pop()
+        if not isinstance(cur, BaseException) or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            return True
+        todo.extend([cur.__cause__, cur.__context__, *cur.args])
+        kwargs = getattr(cur, "kwargs", None)
+        if isinstance(kwargs, dict):
+            todo.append(kwargs.get("error"))
+    return False
+
+
+def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "access") -> DcpCloudError:
+    """Map a boto3/botocore/urllib3/socket failure to a dcp_cloud error.
+
+    Decides on error codes, HTTP statuses and exception types only, never on
+    message text. The caller raises the result ``from exc``. Messages name
+    the object and say what to do; they never contain credentials or bodies.
+    """
+    from botocore import exceptions as bce
+    from urllib3 import exceptions as u3e
+
+    if isinstance(exc, DcpCloudError):
+        return exc
+    where = _s3_url(bucket, key)
+
+    if isinstance(exc, bce.ClientError):
+        response = getattr(exc, "response", None) or {}
+        error = response.get("Error") or {}
+        code = str(error.get("Code") or "")
+        meta = response.get("ResponseMetadata") or {}
+        status = meta.get("HTTPStatusCode")
+        status = int(status) if isinstance(status, int) or str(status).isdigit() else None
+        request_id = meta.get("RequestId") or ""
+        detail = f"S3 error {code or '?'}, HTTP {status if status is not None else '?'}"
+        if request_id:
+            detail += f", request id {request_id}"
+
+        if code in _BUCKET_MISSING_CODES or (key is None and status == 404 and code in ("", "404", "NotFound")):
+            return BucketNotFoundError(
+                f"bucket {bucket!r} does not exist ({where}; {detail}): create the bucket or fix the URI "
+                "(and check the endpoint/region point at the right service)"
+            )
+        if code in _ACCESS_CODES or status == 403:
+            hint = (
+                "the system clock is off; sync it (NTP)"
+                if code == "RequestTimeTooSkewed"
+                else "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE, "
+                f"and that the identity may {action} in bucket {bucket!r}"
+            )
+            return AccessDeniedError(f"access denied to {where} ({detail}): {hint}")
+        if code == "NoSuchKey" or (status == 404 and code in ("", "404", "NotFound")):
+            return ObjectNotFoundError(f"{where} does not exist ({detail})")
+        if code in _PRECONDITION_CODES or status == 412:
+            return PreconditionFailedError(
+                f"{where} already exists or was changed by a concurrent writer ({detail}); "
+                "nothing was overwritten"
+            )
+        if code in _RANGE_CODES or status == 416:
+            return CorruptCheckpointError(
+                f"{where} is shorter than the byte range asked for ({detail}): the object is truncated "
+                "or does not belong to this checkpoint"
+            )
+        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
+            return TransientStoreError(
+                f"S3 could not {action} {where} right now ({detail}): the service is throttling or "
+                "unavailable; retry later or lower the request concurrency"
+            )
+        if code in _REGION_CODES or status == 301:
+            return StoreError(
+                f"{where} lives in another region or endpoint ({detail}): set AWS_REGION (or S3Config.region) "
+                "to the bucket's region"
+            )
+        message = str(error.get("Message") or "")[:200]
+        return StoreError(f"S3 refused to {action} {where} ({detail}){': ' + message if message else ''}")
+
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return AccessDeniedError(
+            f"no usable AWS credentials to {action} {where}: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/container role is available"
+        )
+    if isinstance(exc, bce.ProfileNotFound):
+        return AccessDeniedError(
+            f"the AWS profile named by S3Config.profile / AWS_PROFILE does not exist (needed to {action} {where}): "
+            "fix the profile name or define it in ~/.aws/config"
+        )
+    if isinstance(
+        exc,
+        (
+            bce.CredentialRetrievalError,
+            bce.NoAuthTokenError,
+            bce.TokenRetrievalError,
+            bce.SSOError,
+            bce.UnknownCredentialError,
+        ),
+    ):
+        return AccessDeniedError(
+            f"could not obtain AWS credentials to {action} {where} ({type(exc).__name__}): "
+            "check AWS_PROFILE / SSO login / the instance role"
+        )
+    if isinstance(exc, bce.SSLError) and _caused_by_cert_failure(exc):
+        return StoreError(
+            f"TLS certificate of the S3 endpoint was rejected while trying to {action} {where}: "
+            "fix the endpoint URL or AWS_CA_BUNDLE"
+        )
+    transient_types: tuple[type[BaseException], ...] = (
+        bce.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, SSLError, ProxyConnectionError
+        bce.HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
+        bce.IncompleteReadError,
+        u3e.ProtocolError,
+        u3e.TimeoutError,
+        u3e.IncompleteRead,
+        u3e.SSLError,
+        http.client.IncompleteRead,
+        http.client.HTTPException,
+        ConnectionError,  # builtin: reset, aborted, refused, broken pipe
+        TimeoutError,
+    )
+    if isinstance(exc, transient_types):
+        return TransientStoreError(
+            f"connection to S3 failed while trying to {action} {where} ({type(exc).__name__}): "
+            "the network or the endpoint is unavailable; retry, and check the endpoint URL if it persists"
+        )
+    return StoreError(f"could not {action} {where} ({type(exc).__name__})")
+
+
+# --------------------------------------------------------------------------
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable file over a memoryview, so boto3 can send it without copying it whole."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        start = min(self._pos, end)
+        self._pos = end
+        return bytes(self._view[start:end])
+
+
+def _byte_view(buf: Any) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _body(data: Buffer) -> Any:
+    """What to hand boto3 as a body: bytes/bytearray as they are, views wrapped without a copy."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    view = memoryview(data)
+    if not view.c_contiguous:
+        return view.tobytes()
+    return _BufferReader(_byte_view(view))
+
+
+def _crc_b64(crc: int) -> str:
+    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def _etag(value: Any) -> str | None:
+    return str(value).strip('"') if value else None
+
+
+class S3Store:
+    """One S3 bucket. Thread-safe, picklable (the client is rebuilt per process).
+
+    ``request_timeout`` bounds connecting and each socket read (seconds);
+    ``max_connections`` sizes the connection pool (match it to the number of
+    threads using the store); ``limits`` overrides S3's multipart rules for
+    S3-compatible servers with other ones.
+    """
+
+    scheme = "s3"
+    #: Keys asked for per ListObjectsV2 / ListMultipartUploads page.
+    _list_page_size = 1000
+
+    def __init__(
+        self,
+        bucket: str,
+        config: S3Config = S3Config(),
+        *,
+        request_timeout: float = 60.0,
+        max_connections: int = 16,
+        limits: PartLimits | None = None,
+    ) -> None:
+        _require(
+            isinstance(bucket, str) and bool(bucket) and "/" not in bucket,
+            f"bucket must be a bucket name without '/', got {bucket!r}",
+        )
+        _require(isinstance(config, S3Config), f"config must be an S3Config, got {type(config).__name__}")
+        _require(request_timeout > 0, f"request_timeout must be positive, got {request_timeout}")
+        _require(
+            isinstance(max_connections, int) and max_connections >= 1,
+            f"max_connections must be >= 1, got {max_connections}",
+        )
+        if limits is not None:
+            _require(isinstance(limits, PartLimits), f"limits must be a PartLimits, got {type(limits).__name__}")
+            _require(
+                1 <= limits.min_part_size <= limits.max_part_size and limits.max_parts >= 1,
+                f"limits must satisfy 1 <= min_part_size <= max_part_size and max_parts >= 1, got {limits}",
+            )
+        self.bucket = bucket
+        self.config = config
+        self.request_timeout = float(request_timeout)
+        self.max_connections = max_connections
+        self.limits = limits or S3_PART_LIMITS
+        self._init_client_state()
+
+    # -- client lifecycle ----------------------------------------------------
+
+    def _init_client_state(self) -> None:
+        self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+        self._client_obj: Any = None
+        self._client_pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "bucket": self.bucket,
+            "config": self.config,
+            "request_timeout": self.request_timeout,
+            "max_connections": self.max_connections,
+            "limits": self.limits,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_client_state()
+
+    def __repr__(self) -> str:
+        return (
+            f"S3Store(bucket={self.bucket!r}, config={self.config!r}, "
+            f"request_timeout={self.request_timeout}, max_connections={self.max_connections}, limits={self.limits!r})"
+        )
+
+    def _make_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        s3_options: dict[str, Any] = {}
+        if self.config.addressing_style != "auto":
+            s3_options["addressing_style"] = self.config.addressing_style
+        boto_config = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=self.request_timeout,
+            read_timeout=self.request_timeout,
+            max_pool_connections=self.max_connections,
+            tcp_keepalive=True,
+            # boto3's default (a CRC32 of every body, computed in Python) halves
+            # single-PUT throughput; we send CRC32C ourselves where we have it.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3=s3_options or None,
+        )
+        session = boto3.session.Session(profile_name=self.config.profile, region_name=self.config.region)
+        return session.client("s3", endpoint_url=self.config.endpoint_url, config=boto_config)
+
+    def _client(self) -> Any:
+        pid = os.getpid()
+        client = self._client_obj
+        if client is not None and self._client_pid == pid:
+            return client
+        if self._lock_pid != pid:  # forked: the parent's lock may be held forever
+            self._lock = threading.Lock()
+            self._lock_pid = pid
+        with self._lock:
+            if self._client_obj is None or self._client_pid != pid:
+                try:
+                    # The parent's client (if forked) is dropped, not closed:
+                    # its sockets belong to the parent.
+                    self._client_obj = self._make_client()
+                except Exception as exc:
+                    raise _translate(exc, self.bucket, None, "connect to") from exc
+                self._client_pid = pid
+            return self._client_obj
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client_obj = self._client_obj, None
+            same_process = self._client_pid == os.getpid()
+            self._client_pid = None
+        if client is not None and same_process:
+            client.close()
+
+    # -- helpers -------------------------------------------------------------
+
+    def url(self, key: str) -> str:
+        return _s3_url(self.bucket, key)
+
+    def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError:
+        return _translate(exc, self.bucket, key, action)
+
+    def _checksum_args(self, crc32c: int | None) -> dict[str, str]:
+        if crc32c is None or not self.config.transport_checksums:
+            return {}
+        return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": _crc_b64(crc32c)}
+
+    # -- protocol ------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        try:
+            self._client().head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            raise self._fail(exc, None, "use the bucket") from exc
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        size = _byte_view(data).nbytes if not isinstance(data, (bytes, bytearray)) else len(data)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(data), "ContentLength": size}
+        kwargs.update(self._checksum_args(crc32c))
+        if create_only:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            response = self._client().put_object(**kwargs)
+        except Exception as exc:
+            raise self._fail(exc, key, "write") from exc
+        return ObjectInfo(key, size, _etag(response.get("ETag")))
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        views = [_byte_view(o) for o in outs]
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return
+        if start < 0:
+            raise CorruptCheckpointError(f"{self.url(key)}: negative read offset {start}")
+        try:
+            response = self._client().get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}")
+        except Exception as exc:
+            raise self._fail(exc, key, "read") from exc
+        raw = response["Body"]._raw_stream
+        complete = False
+        try:
+            skip = self._check_range(key, response, start, total)
+            self._fill(raw, key, skip, views)
+            complete = self._body_done(raw)
+        except DcpCloudError:
+            raise
+        except Exception as exc:
+            raise self._fail(exc, key, "read") from exc
+        finally:
+            if complete:
+                raw.release_conn()  # keep the connection for the next request
+            else:
+                raw.close()  # unread bytes on the wire: drop the connection
+
+    def _check_range(self, key: str, response: dict[str, Any], start: int, total: int) -> int:
+        """Validate the response against the asked range; return leading bytes to discard."""
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        length = int(response.get("ContentLength", 0))
+        content_range = response.get("ContentRange")
+        end = start + total
+        if status == 200 and not content_range:
+            # The server ignored Range and sends the whole object.
+            if length < end:
+                raise CorruptCheckpointError(
+                    f"{self.url(key)} has {length} bytes; bytes {start}..{end} were asked for "
+                    "(the object is truncated or does not belong to this checkpoint)"
+                )
+            return start
+        match = _CONTENT_RANGE_RE.match(content_range or "")
+        if match is None:
+            raise StoreError(f"S3 answered a ranged read of {self.url(key)} without a usable Content-Range")
+        first, size = int(match.group(1)), match.group(3)
+        if size != "*" and int(size) < end:
+            raise CorruptCheckpointError(
+                f"{self.url(key)} has {size} bytes; bytes {start}..{end} were asked for "
+                "(the object is truncated or does not belong to this checkpoint)"
+            )
+        if first != start or length < total:
+            raise StoreError(
+                f"S3 answered a read of bytes {start}..{end} of {self.url(key)} with {content_range!r}"
+            )
+        return 0
+
+    def _fill(self, raw: Any, key: str, skip: int, views: list[memoryview]) -> None:
+        fp = getattr(raw, "_fp", None)
+        direct = isinstance(fp, http.client.HTTPResponse) and not raw.headers.get("content-encoding")
+        # http.client reads straight into our buffers; urllib3's readinto copies, so feed it small slices.
+        readinto = fp.readinto if direct else raw.readinto
+        chunk = None if direct else _COPY_CHUNK
+        if skip:
+            scratch = memoryview(bytearray(min(skip, _COPY_CHUNK)))
+            while skip:
+                n = readinto(scratch[: min(skip, len(scratch))])
+                if not n:
+                    raise TransientStoreError(f"the body of {self.url(key)} ended early; retry")
+                skip -= n
+        for view in views:
+            pos, size = 0, len(view)
+            while pos < size:
+                target = view[pos:] if chunk is None else view[pos : pos + chunk]
+                n = readinto(target)
+                if not n:
+                    raise TransientStoreError(
+                        f"the body of {self.url(key)} ended early (connection closed mid-response); retry"
+                    )
+                pos += n
+
+    @staticmethod
+    def _body_done(raw: Any) -> bool:
+        fp = getattr(raw, "_fp", None)
+        if isinstance(fp, http.client.HTTPResponse):
+            return fp.isclosed()
+        return False
+
+    def get(self, key: str) -> bytes:
+        try:
+            response = self._client().get_object(Bucket=self.bucket, Key=key)
+            return response["Body"].read()
+        except Exception as exc:
+            raise self._fail(exc, key, "read") from exc
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            response = self._client().head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise self._fail(exc, key, "read") from exc
+        return ObjectInfo(key, int(response["ContentLength"]), _etag(response.get("ETag")))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            pages = self._client().get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size}
+            )
+            for page in pages:
+                for item in page.get("Contents", ()):
+                    yield ObjectInfo(item["Key"], int(item["Size"]), _etag(item.get("ETag")))
+        except DcpCloudError:
+            raise
+        except Exception as exc:
+            raise self._fail(exc, prefix, "list") from exc
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
+            try:
+                response = self._client().delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except Exception as exc:
+                raise self._fail(exc, batch[0], "delete") from exc
+            for err in response.get("Errors", ()):
+                if err.get("Code") == "NoSuchKey":
+                    continue
+                from botocore.exceptions import ClientError
+
+                cause = ClientError({"Error": {"Code": err.get("Code"), "Message": err.get("Message")}}, "DeleteObjects")
+                raise self._fail(cause, err.get("Key"), "delete") from cause
+
+    def create_multipart(self, key: str) -> str:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if self.config.transport_checksums:
+            # Declared up front: S3 rejects part checksums of an upload created without one.
+            kwargs["ChecksumAlgorithm"] = "CRC32C"
+        try:
+            return self._client().create_multipart_upload(**kwargs)["UploadId"]
+        except Exception as exc:
+            raise self._fail(exc, key, "start an upload of") from exc
+
+    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+        if not 1 <= number <= self.limits.max_parts:
+            raise StoreError(f"part number {number} of {self.url(key)} is outside 1..{self.limits.max_parts}")
+        size = _byte_view(data).nbytes if not isinstance(data, (bytes, bytearray)) else len(data)
+        if self.config.transport_checksums and crc32c is None:
+            # The upload was declared CRC32C, so every part must carry one.
+            crc32c = _crc32c.crc32c(data)
+        checksum = self._checksum_args(crc32c)
+        try:
+            response = self._client().upload_part(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=_body(data),
+                ContentLength=size,
+                **checksum,
+            )
+        except Exception as exc:
+            raise self._fail(exc, key, f"upload part {number} of") from exc
+        token = _etag(response.get("ETag")) or ""
+        if checksum:
+            token = f"{token}|{checksum['ChecksumCRC32C']}"
+        return PartInfo(number, token, size)
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
+    ) -> ObjectInfo:
+        listed = []
+        for part in parts:
+            etag, _, crc = part.token.partition("|")
+            entry = {"PartNumber": part.number, "ETag": f'"{etag}"'}
+            if crc:
+                entry["ChecksumCRC32C"] = crc
+            listed.append(entry)
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": key,
+            "UploadId": upload_id,
+            "MultipartUpload": {"Parts": listed},
+        }
+        if create_only:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            response = self._client().complete_multipart_upload(**kwargs)
+        except Exception as exc:
+            raise self._fail(exc, key, "complete the upload of") from exc
+        return ObjectInfo(key, sum(p.size for p in parts), _etag(response.get("ETag")))
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client().abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                return
+            raise self._fail(exc, key, "abort the upload of") from exc
+        except Exception as exc:
+            raise self._fail(exc, key, "abort the upload of") from exc
+
+    def list_multipart(self, prefix: str) -> list[PendingUpload]:
+        found: list[PendingUpload] = []
+        try:
+            pages = self._client().get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size}
+            )
+            for page in pages:
+                for item in page.get("Uploads", ()):
+                    initiated = item.get("Initiated")
+                    found.append(
+                        PendingUpload(item["Key"], item["UploadId"], initiated.timestamp() if initiated else None)
+                    )
+        except Exception as exc:
+            raise self._fail(exc, prefix, "list the uploads under") from exc
+        return found
+
+
+__all__ = ["S3_PART_LIMITS", "S3Config", "S3Store"]
