@@ -60,9 +60,10 @@ class TransferEngine:
         *,
         transport_checksums: bool = True,
         hooks: RetryHooks | None = None,
+        recorder: StatsRecorder | None = None,
     ) -> None:
         self.config = config
-        self.recorder = StatsRecorder()
+        self.recorder = recorder or StatsRecorder()
         hooks = hooks or RetryHooks()
         hooks.on_attempt = self.recorder.on_attempt
         hooks.on_retry = self.recorder.on_retry
@@ -93,11 +94,17 @@ class TransferEngine:
             return pool
 
     def close(self) -> None:
+        """Stop the worker threads and drop pooled buffers (the store stays open for reuse)."""
         self._executor.shutdown(wait=True)
         with self._pools_lock:
             for pool in self._pools.values():
                 pool.clear()
-        self.store.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- uploads ----------------------------------------------------------
     def part_size_for(self, size_hint: int | None) -> int:

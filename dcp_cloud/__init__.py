@@ -1,0 +1,67 @@
+"""dcp_cloud: Amazon S3 and Google Cloud Storage homes for PyTorch Distributed Checkpoint.
+
+>>> import torch.distributed.checkpoint as dcp
+>>> from dcp_cloud import S3Writer, S3Reader
+>>> dcp.save(state_dict, storage_writer=S3Writer("s3://bucket/run/step-100"))  # doctest: +SKIP
+>>> dcp.load(state_dict, storage_reader=S3Reader("s3://bucket/run/step-100"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import RetryConfig, TransferConfig
+from .dcp.api import GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
+from .dcp.reader import CloudReader
+from .dcp.typed import load, save, typed_errors
+from .dcp.writer import CloudWriter
+from .errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpCloudError,
+    InvalidURIError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    TransientStoreError,
+)
+from .transfer.stats import TransferStats
+
+logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDeniedError",
+    "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CloudReader",
+    "CloudWriter",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DcpCloudError",
+    "GCSReader",
+    "GCSWriter",
+    "InvalidURIError",
+    "LocalReader",
+    "LocalWriter",
+    "ObjectNotFoundError",
+    "PreconditionFailedError",
+    "RetryConfig",
+    "S3Reader",
+    "S3Writer",
+    "StoreError",
+    "TransferConfig",
+    "TransferStats",
+    "TransientStoreError",
+    "load",
+    "save",
+    "typed_errors",
+]

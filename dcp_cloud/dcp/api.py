@@ -1,0 +1,175 @@
+"""The public writer/reader classes: thin constructors over CloudWriter / CloudReader."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..errors import ConfigError
+from ..store.protocol import PartLimits
+from .backend import GCSBackend, LocalBackend, S3Backend
+from .reader import CloudReader
+from .writer import CloudWriter
+
+
+def _s3_backend(endpoint_url: str | None, region: str | None, config: Any, limits: PartLimits | None) -> S3Backend:
+    from ..store.s3 import S3Config
+
+    if config is not None and (endpoint_url is not None or region is not None):
+        raise ConfigError("pass endpoint_url/region either as keywords or inside config=S3Config(...), not both")
+    return S3Backend(config or S3Config(endpoint_url=endpoint_url, region=region), limits)
+
+
+def _gcs_backend(project: str | None, endpoint: str | None, credentials: Any, config: Any) -> GCSBackend:
+    from ..store.gcs import GCSConfig
+
+    if config is not None and (project is not None or endpoint is not None):
+        raise ConfigError("pass project/endpoint either as keywords or inside config=GCSConfig(...), not both")
+    return GCSBackend(config or GCSConfig(project=project, endpoint=endpoint), credentials)
+
+
+class S3Writer(CloudWriter):
+    """Save to ``s3://bucket/prefix``.
+
+    Credentials, region and endpoint come from the standard AWS chain
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
+    ``AWS_REGION``, ``AWS_ENDPOINT_URL[_S3]``, instance roles); ``endpoint_url``
+    and ``region`` override them for S3-compatible stores (MinIO, Ceph, R2).
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+        part_limits: PartLimits | None = None,
+    ) -> None:
+        super().__init__(
+            checkpoint_id,
+            _s3_backend(endpoint_url, region, config, part_limits),
+            transfer=transfer,
+            retry=retry,
+            overwrite=overwrite,
+            checksums=checksums,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("s3://")
+
+
+class S3Reader(CloudReader):
+    """Load from ``s3://bucket/prefix`` (same configuration as :class:`S3Writer`)."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
+        super().__init__(checkpoint_id, _s3_backend(endpoint_url, region, config, None), transfer=transfer, retry=retry)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("s3://")
+
+
+class GCSWriter(CloudWriter):
+    """Save to ``gs://bucket/prefix``.
+
+    Credentials and project come from Application Default Credentials and
+    ``GOOGLE_CLOUD_PROJECT``; ``STORAGE_EMULATOR_HOST`` is honoured. ``project``,
+    ``endpoint`` and ``credentials`` override them (an explicit credentials
+    object is never pickled: use ``GCSConfig(credentials_file=...)`` with the
+    process-based ``async_save``).
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        project: str | None = None,
+        endpoint: str | None = None,
+        credentials: Any = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+    ) -> None:
+        super().__init__(
+            checkpoint_id,
+            _gcs_backend(project, endpoint, credentials, config),
+            transfer=transfer,
+            retry=retry,
+            overwrite=overwrite,
+            checksums=checksums,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("gs://")
+
+
+class GCSReader(CloudReader):
+    """Load from ``gs://bucket/prefix`` (same configuration as :class:`GCSWriter`)."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        project: str | None = None,
+        endpoint: str | None = None,
+        credentials: Any = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
+        super().__init__(
+            checkpoint_id, _gcs_backend(project, endpoint, credentials, config), transfer=transfer, retry=retry
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("gs://")
+
+
+class LocalWriter(CloudWriter):
+    """Save to ``file:///dir`` through the same engine (shared filesystems, tests, benchmarks)."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+    ) -> None:
+        super().__init__(
+            checkpoint_id, LocalBackend(), transfer=transfer, retry=retry, overwrite=overwrite, checksums=checksums
+        )
+
+
+class LocalReader(CloudReader):
+    """Load from ``file:///dir`` through the same engine."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
+        super().__init__(checkpoint_id, LocalBackend(), transfer=transfer, retry=retry)

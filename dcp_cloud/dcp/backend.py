@@ -1,0 +1,89 @@
+"""Backends: picklable recipes that open an ObjectStore for a bucket in the current process.
+
+Writers and readers carry a backend (configuration only); the store and its
+SDK client are made lazily in whichever process uses them, which is what
+lets ``dcp.async_save`` pickle a writer into a worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import RetryConfig, TransferConfig
+from ..store.protocol import ObjectStore, PartLimits
+
+
+class Backend(Protocol):
+    #: URI schemes this backend serves.
+    schemes: tuple[str, ...]
+
+    def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore: ...
+
+
+@dataclass(frozen=True)
+class S3Backend:
+    """Amazon S3 and S3-compatible stores (MinIO, Ceph, R2) through boto3."""
+
+    config: Any = None  # dcp_cloud.store.s3.S3Config; Any keeps boto3 imports lazy
+    limits: PartLimits | None = None
+    schemes: tuple[str, ...] = ("s3",)
+
+    def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore:
+        from ..store.s3 import S3Config, S3Store
+
+        return S3Store(
+            bucket,
+            self.config or S3Config(),
+            request_timeout=retry.request_timeout,
+            max_connections=transfer.concurrency + 2,
+            limits=self.limits,
+        )
+
+
+@dataclass(frozen=True)
+class GCSBackend:
+    """Google Cloud Storage through google-cloud-storage."""
+
+    config: Any = None  # dcp_cloud.store.gcs.GCSConfig
+    #: An explicit google.auth credentials object: usable in-process only, never pickled.
+    credentials: Any = field(default=None, repr=False, compare=False)
+    schemes: tuple[str, ...] = ("gs",)
+
+    def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore:
+        from ..store.gcs import GCSConfig, GCSStore
+
+        return GCSStore(
+            bucket,
+            self.config or GCSConfig(),
+            credentials=self.credentials,
+            request_timeout=retry.request_timeout,
+            max_connections=transfer.concurrency + 2,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.credentials is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                "a GCS writer/reader built with an explicit credentials= object cannot be sent to another "
+                "process (the object may hold a private key); use GCSConfig(credentials_file=...) or "
+                "Application Default Credentials for process-based async_save"
+            )
+        return {"config": self.config, "credentials": None, "schemes": self.schemes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+
+@dataclass(frozen=True)
+class LocalBackend:
+    """A local or shared filesystem directory (``file://`` URIs)."""
+
+    schemes: tuple[str, ...] = ("file",)
+
+    def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore:
+        from ..store.local import LocalStore
+
+        return LocalStore(bucket)

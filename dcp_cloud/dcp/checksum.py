@@ -1,0 +1,96 @@
+"""Streaming CRC32C: block checksums computed while bytes pass, and their verification."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import crc32c
+
+from ..errors import ChecksumMismatchError
+
+
+class BlockHasher:
+    """Per-block CRC32C of a byte stream fed in arbitrary pieces."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._crcs = bytearray()
+        self._crc = 0
+        self._fill = 0
+        self.length = 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), self.block_size - self._fill)
+            self._crc = crc32c.crc32c(data[:take], value=self._crc)
+            self._fill += take
+            self.length += take
+            data = data[take:]
+            if self._fill == self.block_size:
+                self._emit()
+
+    def _emit(self) -> None:
+        self._crcs += self._crc.to_bytes(4, "big")
+        self._crc = 0
+        self._fill = 0
+
+    def digest(self) -> bytes:
+        """The big-endian uint32 CRCs of every block (the last may be short)."""
+        if self._fill:
+            self._emit()
+        return bytes(self._crcs)
+
+
+def verify_blocks(
+    pieces: Sequence[tuple[int, memoryview]],
+    block_size: int,
+    checked_length: int,
+    crcs: bytes,
+    *,
+    describe: str,
+    base_offset: int,
+) -> None:
+    """Check every whole block covered by ``pieces`` against ``crcs``.
+
+    ``pieces`` are ``(offset, bytes)`` runs sorted by offset, offsets relative
+    to the checked region; together they must cover whole blocks (the last
+    block may end at ``checked_length``). ``base_offset`` converts offsets to
+    object offsets for the error message.
+    """
+    for block, crc, start, end in _block_crcs(pieces, block_size, checked_length):
+        expected = int.from_bytes(crcs[4 * block : 4 * block + 4], "big")
+        if crc != expected:
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {describe}, bytes {base_offset + start}..{base_offset + end} "
+                f"(block {block}: stored CRC32C {expected:#010x}, read {crc:#010x}); the stored object "
+                "is corrupted -- restore it from another copy or load an earlier checkpoint"
+            )
+
+
+def _block_crcs(
+    pieces: Iterable[tuple[int, memoryview]], block_size: int, checked_length: int
+) -> Iterable[tuple[int, int, int, int]]:
+    block = -1
+    crc = 0
+    covered = 0
+    for offset, data in pieces:
+        pos = offset
+        while len(data):
+            b = pos // block_size
+            if b != block:
+                if block >= 0:
+                    raise AssertionError("pieces do not cover whole checksum blocks")
+                block, crc, covered = b, 0, 0
+                if pos != b * block_size:
+                    raise AssertionError("read does not start on a checksum block boundary")
+            block_end = min((b + 1) * block_size, checked_length)
+            take = min(len(data), block_end - pos)
+            crc = crc32c.crc32c(data[:take], value=crc)
+            covered += take
+            pos += take
+            data = data[take:]
+            if pos == block_end:
+                yield block, crc, b * block_size, block_end
+                block = -1
+    if block >= 0:
+        raise AssertionError("pieces end inside a checksum block")

@@ -1,0 +1,116 @@
+"""The on-store layout of a checkpoint, and the one place that touches private torch names.
+
+A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
+
+* ``<prefix>/__<rank>_<token>.distcp`` -- one object per rank and save; each
+  item in it is what ``torch.save`` writes for the item (so the stock
+  ``FileSystemReader`` can ``torch.load`` it). ``<token>`` is unique per save,
+  so an overwrite never rewrites an object that committed metadata points at.
+* ``<prefix>/.metadata`` -- the pickled ``Metadata``, written last and
+  create-only: its presence *is* the commit.
+
+Our extras ride on torch's own ``_StorageInfo`` records as one extra
+attribute (:data:`EXTRA_ATTR`) holding only builtin values. Stock torch
+unpickles them into ``__dict__`` and ignores them, so a checkpoint stays
+readable without dcp_cloud installed. They give the offset of the raw tensor
+bytes inside each item (for byte-precise ranged reads) and per-block CRC32C
+checksums of those bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import CorruptCheckpointError
+
+METADATA_NAME = ".metadata"
+SHARD_SUFFIX = ".distcp"
+#: Version of DCP's format we write (torch's CURRENT_DCP_VERSION).
+DCP_VERSION = "1.0.0"
+#: Name of the extra attribute on ``_StorageInfo`` records.
+EXTRA_ATTR = "dcp_cloud"
+#: Version of the extras' schema.
+EXTRA_VERSION = 1
+
+
+def shard_name(rank: int, token: str) -> str:
+    return f"__{rank}_{token}{SHARD_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class ItemExtras:
+    """What dcp_cloud records about one stored item beyond stock torch."""
+
+    #: Offset of the raw tensor bytes from the item's first byte (None: not a tensor).
+    raw_offset: int | None
+    #: Bytes covered by the checksums (raw tensor bytes, or the whole item for bytes items).
+    checked_length: int
+    #: Checksum block size; 0 means no checksums.
+    block_size: int
+    #: Big-endian uint32 CRC32C of each block.
+    crcs: bytes
+
+    def to_builtin(self) -> dict[str, Any]:
+        return {
+            "v": EXTRA_VERSION,
+            "raw_offset": self.raw_offset,
+            "checked_length": self.checked_length,
+            "block_size": self.block_size,
+            "crcs": self.crcs,
+        }
+
+    @staticmethod
+    def from_builtin(value: Any) -> ItemExtras | None:
+        if not isinstance(value, dict) or value.get("v") != EXTRA_VERSION:
+            return None
+        return ItemExtras(value["raw_offset"], value["checked_length"], value["block_size"], value["crcs"])
+
+    def crc(self, block: int) -> int:
+        return int.from_bytes(self.crcs[4 * block : 4 * block + 4], "big")
+
+
+def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras) -> _StorageInfo:
+    """A stock ``_StorageInfo`` carrying our extras as a builtin-valued attribute."""
+    info = _StorageInfo(relative_path, offset, length)
+    setattr(info, EXTRA_ATTR, extras.to_builtin())
+    return info
+
+
+def extras_of(info: Any) -> ItemExtras | None:
+    """Our extras of a storage record, or None for checkpoints written by stock torch."""
+    return ItemExtras.from_builtin(getattr(info, EXTRA_ATTR, None))
+
+
+def transform_descriptors(info: Any) -> Any:
+    return getattr(info, "transform_descriptors", None)
+
+
+def dump_metadata(metadata: Metadata) -> bytes:
+    buf = io.BytesIO()
+    pickle.dump(metadata, buf)
+    return buf.getvalue()
+
+
+def load_metadata(data: bytes, url: str) -> Metadata:
+    """Unpickle a ``.metadata`` object, turning every failure into CorruptCheckpointError."""
+    try:
+        metadata = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad object
+        raise CorruptCheckpointError(
+            f"{url} is not a readable DCP metadata object ({type(exc).__name__}); it is corrupted, "
+            "truncated, or was written by an incompatible torch version"
+        ) from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptCheckpointError(
+            f"{url} holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint was written by "
+            "something else or by an incompatible version"
+        )
+    if metadata.storage_data is None:
+        raise CorruptCheckpointError(f"{url} has no storage records; it was not written by a DCP storage writer")
+    return metadata

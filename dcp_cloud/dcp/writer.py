@@ -1,0 +1,271 @@
+"""CloudWriter: DCP's StorageWriter on an ObjectStore.
+
+Call order (torch's contract): ``reset`` (when a checkpoint_id is passed) ->
+``set_up_storage_writer`` -> ``prepare_local_plan`` -> (coordinator)
+``prepare_global_plan`` -> ``write_data`` on every rank -> (coordinator)
+``finish``. Each rank streams all its items into one object through the
+transfer engine; the coordinator commits by writing ``.metadata`` last,
+create-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..config import RetryConfig, TransferConfig
+from ..errors import CheckpointExistsError, PreconditionFailedError
+from ..transfer.upload import ObjectWriter
+from .backend import Backend
+from .base import CloudBase, log
+from .checksum import BlockHasher
+from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_metadata, shard_name, storage_info
+
+#: Allowance for torch.save framing around each tensor when sizing parts.
+_FRAMING_ALLOWANCE = 4096
+
+
+@dataclass(frozen=True)
+class _ShardPlan:
+    """storage_data of a SavePlan: the object this rank writes."""
+
+    name: str
+
+
+def _buffer_address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+class _ItemTap(io.RawIOBase):
+    """Passes torch.save's writes to the object stream, finding and hashing the raw tensor bytes."""
+
+    def __init__(self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None) -> None:
+        super().__init__()
+        self.sink = sink
+        self.start = sink.tell()
+        self.raw_offset: int | None = None
+        self._ptr = tensor.data_ptr() if tensor is not None else 0
+        self._nbytes = tensor.nbytes if tensor is not None else -1
+        self._hasher = hasher
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        if (
+            self.raw_offset is None
+            and len(mv) == self._nbytes
+            and (self._nbytes == 0 or _buffer_address(mv) == self._ptr)
+        ):
+            self.raw_offset = self.sink.tell() - self.start
+            if self._hasher is not None:
+                self._hasher.update(mv)
+        self.sink.write(mv)
+        return len(mv)
+
+
+def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning exactly its bytes (torch.save writes the whole storage of a view)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if (
+        not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.untyped_storage().nbytes() != tensor.nbytes
+    ):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+class CloudWriter(CloudBase, StorageWriter):
+    """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one)."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        backend: Backend,
+        *,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+    ) -> None:
+        CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
+        self.overwrite = overwrite
+        self.checksums = checksums
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = ""
+        self._started = 0.0
+        self._begin()
+
+    # -- per-checkpoint start ----------------------------------------------
+    def _begin(self) -> None:
+        """Check the target before any collective step, so typed errors reach the caller."""
+        self.save_id = str(uuid.uuid4())
+        self._recorder.reset()
+        self._started = time.perf_counter()
+        self._check_bucket()
+        if not self.overwrite and self._metadata_exists():
+            raise CheckpointExistsError(
+                f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True to replace "
+                "it, or save under a new checkpoint_id"
+            )
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self._set_uri(checkpoint_id)
+        self._begin()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = int(rank) if rank is not None else 0
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    # -- planning ---------------------------------------------------------
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = secrets.token_hex(6)
+        return [dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token))) for i, plan in enumerate(plans)]
+
+    # -- data -------------------------------------------------------------
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        shard: _ShardPlan = plan.storage_data
+        results: list[WriteResult] = []
+        items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        if items:
+            key = self.uri.key(shard.name)
+            size_hint = sum(_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items)
+            with self._engine() as engine:
+                stream = engine.open_writer(key, size_hint)
+                try:
+                    for item in items:
+                        results.append(self._write_item(stream, shard.name, item, planner))
+                    stream.commit()
+                except BaseException:
+                    stream.abort()
+                    raise
+                peak = engine.budget.peak
+        else:
+            peak = 0
+        self._recorder.stop_clock()
+        self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
+        written = sum(r.size_in_bytes for r in results)
+        log.debug("rank %d wrote %d bytes of %s", self.rank, written, self.checkpoint_id)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_item(self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
+        block = self.transfer.checksum_block_size if self.checksums else 0
+        hasher = BlockHasher(block) if block else None
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO)
+            tap = _ItemTap(stream, None, None)
+            payload = data.getbuffer()
+            if hasher is not None:
+                hasher.update(payload.cast("B"))
+            tap.write(payload)
+            raw_offset, checked = None, len(payload)
+            del payload
+        else:
+            tensor = _host_tensor(data)
+            tap = _ItemTap(stream, tensor, hasher)
+            torch.save(tensor, tap)
+            if tap.raw_offset is None and tensor.nbytes == 0:
+                tap.raw_offset = 0  # nothing to read back
+            if tap.raw_offset is None:
+                raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
+            raw_offset, checked = tap.raw_offset, tensor.nbytes
+        length = stream.tell() - tap.start
+        extras = ItemExtras(raw_offset, checked, block, hasher.digest() if hasher is not None else b"")
+        return WriteResult(
+            index=item.index,
+            size_in_bytes=length,
+            storage_data=storage_info(name, tap.start, length, extras),
+        )
+
+    # -- commit -----------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = {}
+        for rank_results in results:
+            for wr in rank_results:
+                storage[wr.index] = wr.storage_data
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = DCP_VERSION
+        body = dump_metadata(metadata)
+        store = self._retrying()
+        key = self._metadata_key()
+        try:
+            store.put(key, body, create_only=not self.overwrite)
+        except PreconditionFailedError as exc:
+            if not (getattr(exc, "after_retry", False) and self._committed_by_us(key)):
+                raise CheckpointExistsError(
+                    f"{self.checkpoint_id} was committed by another writer while this save ran; "
+                    "nothing of this save is referenced. Save under a new checkpoint_id"
+                ) from exc
+        if self.overwrite:
+            self._delete_unreferenced(metadata)
+        seconds = time.perf_counter() - self._started
+        total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
+        self._recorder.stop_clock()
+        self._last_stats = self._recorder.snapshot(peak_buffer_bytes=self._last_stats.peak_buffer_bytes)
+        log.info(
+            "committed checkpoint %s: %d bytes from %d rank(s) in %.2fs (%.1f MB/s)",
+            self.checkpoint_id,
+            total,
+            len(results),
+            seconds,
+            total / 1e6 / seconds if seconds > 0 else 0.0,
+        )
+
+    def _committed_by_us(self, key: str) -> bool:
+        stored = load_metadata(self._retrying().get(key), self.store.url(key))
+        return stored.storage_meta is not None and stored.storage_meta.save_id == self.save_id
+
+    def _delete_unreferenced(self, metadata: Metadata) -> None:
+        """After an overwrite commit, drop shard objects the new metadata does not reference."""
+        keep = {self.uri.key(info.relative_path) for info in metadata.storage_data.values()}
+        store = self._retrying()
+        stale = [
+            o.key
+            for o in store.list(self.uri.prefix + "/")
+            if o.key.endswith(SHARD_SUFFIX) and o.key not in keep and "/" not in o.key[len(self.uri.prefix) + 1 :]
+        ]
+        if stale:
+            store.delete(stale)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False

@@ -1,0 +1,77 @@
+"""Checkpoint URIs: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///dir``."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidURIError
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class CheckpointURI:
+    """A parsed checkpoint location: the bucket and the key prefix of the checkpoint."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` inside the checkpoint."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def __str__(self) -> str:
+        if self.scheme == "file":
+            return f"file://{self.bucket}/{self.prefix}".rstrip("/")
+        return f"{self.scheme}://{self.bucket}/{self.prefix}"
+
+
+def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> CheckpointURI:
+    """Parse ``uri`` and check its scheme is one of ``schemes``.
+
+    Raises InvalidURIError for a malformed URI (``s3:/x``), a missing bucket
+    or key prefix (``gs://``, ``s3://bucket``) or a scheme the class does not
+    serve (``gs://`` given to an S3 class).
+    """
+    text = os.fspath(uri)
+    if not isinstance(text, str):
+        raise InvalidURIError(f"checkpoint URI must be a string, got {type(text).__name__}")
+    expected = " or ".join(f"{s}://" for s in schemes)
+    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", text)
+    if match is None:
+        raise InvalidURIError(
+            f"malformed checkpoint URI {text!r}: expected {expected}<bucket>/<prefix>, "
+            f"e.g. {schemes[0]}://my-bucket/run-7/step-1000"
+        )
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme not in schemes:
+        raise InvalidURIError(
+            f"checkpoint URI {text!r} has scheme {scheme}:// but this class serves {expected}; "
+            "use the writer/reader class for that store"
+        )
+    if scheme == "file":
+        path = os.path.abspath("/" + rest.lstrip("/"))
+        root, name = os.path.split(path.rstrip("/"))
+        if not name:
+            raise InvalidURIError(f"checkpoint URI {text!r} names no directory")
+        return CheckpointURI("file", root, name)
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise InvalidURIError(f"checkpoint URI {text!r} names no bucket: expected {scheme}://<bucket>/<prefix>")
+    if not _BUCKET.match(bucket):
+        raise InvalidURIError(
+            f"checkpoint URI {text!r}: {bucket!r} is not a valid bucket name "
+            "(3-222 characters: lowercase letters, digits, '.', '-', '_')"
+        )
+    if not prefix:
+        raise InvalidURIError(
+            f"checkpoint URI {text!r} has an empty key: give each checkpoint its own prefix, "
+            f"e.g. {scheme}://{bucket}/run-7/step-1000"
+        )
+    if "//" in prefix:
+        raise InvalidURIError(f"checkpoint URI {text!r} has an empty path segment ('//')")
+    return CheckpointURI(scheme, bucket, prefix)
