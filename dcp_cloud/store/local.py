@@ -1,0 +1,519 @@
+"""The object-store protocol over a local (or shared) directory.
+
+The "bucket" is a root directory; an object ``a/b/c`` is the file
+``<root>/a/b/c``. Every write goes to a temporary file in the destination
+directory first and is then renamed into place, so readers never see a
+half-written object, and a create-only write is atomic (``link``/
+``renameat2(RENAME_NOREPLACE)``: of two concurrent creators exactly one wins).
+
+Multipart uploads keep their parts under ``<root>/.dcp_cloud_uploads/<id>/``
+with a small manifest naming the key; completing one concatenates the parts
+(``copy_file_range`` where the kernel has it) into a temporary file that is
+then renamed into place. Names starting with ``.dcp_cloud`` are reserved and
+never listed.
+
+Unlike S3, a directory cannot also be an object: the keys ``a`` and ``a/b``
+cannot both exist here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpCloudError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    TransientStoreError,
+)
+from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+#: Reserved name prefix: uploads and temporary files.
+RESERVED_PREFIX = ".dcp_cloud"
+UPLOADS_DIR = ".dcp_cloud_uploads"
+_TMP_PREFIX = ".dcp_cloud-tmp-"
+_MANIFEST = "manifest.json"
+_COPY_CHUNK = 8 * MiB
+#: Most bytes one read/write system call moves on Linux.
+_MAX_IO = 0x7FFFF000
+
+LOCAL_PART_LIMITS = PartLimits(min_part_size=1, max_part_size=5 * GiB, max_parts=10_000)
+
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EAGAIN", "EBUSY", "ESTALE", "ETIMEDOUT", "EINTR") if hasattr(errno, name)
+)
+_RENAME_NOREPLACE = 1
+
+
+def _renameat2_noreplace():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _renameat2_noreplace()
+_AT_FDCWD = -100
+
+
+def _byte_view(buf: Buffer) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class LocalStore:
+    """A directory as an object store. Thread-safe and picklable.
+
+    ``fsync`` (default on) flushes every object to disk before it becomes
+    visible, so a committed checkpoint survives a power loss; turn it off for
+    scratch directories and tmpfs.
+    """
+
+    scheme = "file"
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        if not str(root):
+            raise ConfigError("LocalStore root must be a directory path, got an empty string")
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.bucket = str(self.root)
+        self.fsync = bool(fsync)
+        self.limits = LOCAL_PART_LIMITS
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.bucket!r})"
+
+    def url(self, key: str) -> str:
+        return f"file://{self.root.as_posix().rstrip('/')}/{key}"
+
+    # -- helpers -------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if (
+            not key
+            or key.startswith("/")
+            or key.endswith("/")
+            or "\x00" in key
+            or any(p in ("", ".", "..") or p.startswith(RESERVED_PREFIX) for p in parts)
+        ):
+            raise StoreError(
+                f"key {key!r} cannot be stored in {self.bucket}: keys must be relative 'a/b/c' paths without "
+                f"empty, '.' or '..' segments, and segments may not start with {RESERVED_PREFIX!r}"
+            )
+        return self.root.joinpath(*parts)
+
+    def _error(self, exc: OSError, key: str | None, action: str) -> DcpCloudError:
+        """The one mapping from an OSError to a dcp_cloud error."""
+        where = self.url(key) if key is not None else self.bucket
+        if not self.root.is_dir():
+            return BucketNotFoundError(
+                f"directory {self.bucket} does not exist (needed to {action} {where}): create it or fix the path"
+            )
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFoundError(f"{where} does not exist")
+        if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+            return StoreError(
+                f"cannot {action} {where}: a key and a 'directory' of keys share the name "
+                "(a local store cannot hold both 'a' and 'a/b')"
+            )
+        if isinstance(exc, PermissionError):
+            return AccessDeniedError(f"permission denied to {action} {where}: check the directory's owner and mode")
+        if isinstance(exc, FileExistsError):
+            return PreconditionFailedError(f"{where} already exists; nothing was overwritten")
+        if exc.errno in _TRANSIENT_ERRNOS:
+            return TransientStoreError(f"could not {action} {where} ({os.strerror(exc.errno)}); retry")
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            return StoreError(f"could not {action} {where}: the disk or quota is full")
+        reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+        return StoreError(f"could not {action} {where} ({reason})")
+
+    def _open_tmp(self, directory: Path) -> tuple[int, Path]:
+        for _ in range(5):
+            tmp = directory / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644), tmp
+            except FileNotFoundError:
+                if not self.root.is_dir():
+                    raise
+                # A concurrent delete may prune the directory between these two lines; loop.
+                os.makedirs(directory, exist_ok=True)
+        raise FileNotFoundError(errno.ENOENT, "directory keeps disappearing", str(directory))
+
+    @staticmethod
+    def _write_all(fd: int, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            pos += os.write(fd, data[pos : pos + _MAX_IO])
+
+    def _finish_tmp(self, fd: int) -> int:
+        """fsync (if on) and close ``fd``; returns the file's mtime_ns."""
+        try:
+            if self.fsync:
+                os.fsync(fd)
+            return os.fstat(fd).st_mtime_ns
+        finally:
+            os.close(fd)
+
+    def _publish(self, tmp: Path, final: Path, create_only: bool) -> None:
+        """Move ``tmp`` to ``final`` atomically (never replacing when ``create_only``)."""
+        try:
+            if not create_only:
+                os.replace(tmp, final)
+            else:
+                self._link_noreplace(tmp, final)
+        finally:
+            if tmp.exists():
+                os.unlink(tmp)
+        if self.fsync:
+            self._fsync_dir(final.parent)
+
+    @staticmethod
+    def _link_noreplace(tmp: Path, final: Path) -> None:
+        try:
+            os.link(tmp, final)  # fails with FileExistsError if final exists: atomic create
+            return
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                raise
+        if _renameat2 is None:
+            raise OSError(errno.ENOTSUP, "this filesystem supports neither hard links nor renameat2", str(final))
+        if _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(final))
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        try:
+            fd = os.open(directory, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _prune_dirs(self, directory: Path) -> None:
+        """Remove empty directories left by deleted keys, up to (not including) the root."""
+        while directory != self.root and self.root in directory.parents:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return
+            directory = directory.parent
+
+    # -- protocol ------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        if not self.root.is_dir():
+            raise BucketNotFoundError(
+                f"directory {self.bucket} does not exist or is not a directory: create it or fix the path"
+            )
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise AccessDeniedError(f"directory {self.bucket} is not readable: check its owner and mode")
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        final = self._path(key)
+        view = _byte_view(data)
+        tmp: Path | None = None
+        try:
+            fd, tmp = self._open_tmp(final.parent)
+            try:
+                self._write_all(fd, view)
+            except BaseException:
+                os.close(fd)
+                raise
+            mtime = self._finish_tmp(fd)
+            self._publish(tmp, final, create_only)
+        except OSError as exc:
+            if tmp is not None and tmp.exists():
+                os.unlink(tmp)
+            raise self._error(exc, key, "write") from exc
+        return ObjectInfo(key, len(view), str(mtime))
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        views = [_byte_view(o) for o in outs]
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if start < 0 or start + total > size:
+                raise CorruptCheckpointError(
+                    f"{self.url(key)} has {size} bytes; bytes {start}..{start + total} were asked for "
+                    "(the object is truncated or does not belong to this checkpoint)"
+                )
+            pos = start
+            pending = [v for v in views if len(v)]
+            while pending:
+                n = self._preadv(fd, pending, pos)
+                if n == 0:
+                    raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
+                pos += n
+                while n and pending:
+                    if n >= len(pending[0]):
+                        n -= len(pending.pop(0))
+                    else:
+                        pending[0] = pending[0][n:]
+                        n = 0
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _preadv(fd: int, views: list[memoryview], pos: int) -> int:
+        """Scatter-read into ``views`` from ``pos`` with one system call where the OS has one."""
+        if hasattr(os, "preadv"):
+            return os.preadv(fd, views[:1024], pos)  # IOV_MAX
+        os.lseek(fd, pos, os.SEEK_SET)  # pragma: no cover - platforms without preadv
+        with open(fd, "rb", buffering=0, closefd=False) as fh:  # pragma: no cover
+            return fh.readinto(views[0]) or 0
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+
+    def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+        if not os.path.isfile(path):
+            raise ObjectNotFoundError(f"{self.url(key)} does not exist (it is a directory of keys)")
+        return ObjectInfo(key, st.st_size, str(st.st_mtime_ns))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            raise BucketNotFoundError(f"directory {self.bucket} does not exist: create it or fix the path")
+        # Only walk the directory that can hold matches.
+        base = prefix.rpartition("/")[0]
+        start = self.root.joinpath(*base.split("/")) if base else self.root
+        found: list[ObjectInfo] = []
+
+        def walk(directory: Path, rel: str) -> None:
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            except OSError as exc:
+                raise self._error(exc, rel or None, "list") from exc
+            for entry in entries:
+                if entry.name.startswith(RESERVED_PREFIX):
+                    continue
+                key = f"{rel}{entry.name}"
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        if key.startswith(prefix) or prefix.startswith(key + "/"):
+                            walk(Path(entry.path), key + "/")
+                    elif key.startswith(prefix):
+                        st = entry.stat()
+                        found.append(ObjectInfo(key, st.st_size, str(st.st_mtime_ns)))
+                except FileNotFoundError:
+                    continue  # deleted while listing
+
+        walk(start, f"{base}/" if base else "")
+        found.sort(key=lambda info: info.key)
+        yield from found
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise self._error(exc, key, "delete") from exc
+            self._prune_dirs(path.parent)
+
+    # -- multipart -------------------------------------------------------------
+
+    def _upload_dir(self, upload_id: str) -> Path:
+        if not upload_id or "/" in upload_id or upload_id.startswith("."):
+            raise StoreError(f"invalid upload id {upload_id!r}")
+        return self.root / UPLOADS_DIR / upload_id
+
+    def _manifest(self, upload_id: str) -> dict | None:
+        try:
+            with open(self._upload_dir(upload_id) / _MANIFEST, "rb") as fh:
+                return json.loads(fh.read())
+        except (OSError, ValueError):
+            return None
+
+    def _require_upload(self, key: str, upload_id: str) -> Path:
+        manifest = self._manifest(upload_id)
+        if manifest is None or manifest.get("key") != key:
+            raise StoreError(f"no multipart upload {upload_id!r} for {self.url(key)} (completed or aborted?)")
+        return self._upload_dir(upload_id)
+
+    def create_multipart(self, key: str) -> str:
+        self._path(key)  # validate now, not at completion
+        upload_id = uuid.uuid4().hex
+        directory = self._upload_dir(upload_id)
+        try:
+            if not self.root.is_dir():
+                raise FileNotFoundError(errno.ENOENT, "root missing", self.bucket)
+            os.makedirs(directory)
+            fd, tmp = self._open_tmp(directory)
+            try:
+                self._write_all(fd, memoryview(json.dumps({"key": key, "initiated": time.time()}).encode()))
+            finally:
+                os.close(fd)
+            os.replace(tmp, directory / _MANIFEST)
+        except OSError as exc:
+            raise self._error(exc, key, "start an upload of") from exc
+        return upload_id
+
+    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+        if not 1 <= number <= self.limits.max_parts:
+            raise StoreError(f"part number {number} of {self.url(key)} is outside 1..{self.limits.max_parts}")
+        directory = self._require_upload(key, upload_id)
+        view = _byte_view(data)
+        try:
+            fd, tmp = self._open_tmp(directory)
+            try:
+                self._write_all(fd, view)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+            mtime = self._finish_tmp(fd)
+            os.replace(tmp, directory / f"part-{number:05d}")
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and self._manifest(upload_id) is None:
+                raise StoreError(f"multipart upload {upload_id!r} of {self.url(key)} was aborted") from exc
+            raise self._error(exc, key, f"upload part {number} of") from exc
+        return PartInfo(number, f"{mtime}:{len(view)}", len(view))
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
+    ) -> ObjectInfo:
+        directory = self._require_upload(key, upload_id)
+        final = self._path(key)
+        sources = []
+        for i, part in enumerate(parts):
+            path = directory / f"part-{part.number:05d}"
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise StoreError(f"part {part.number} of {self.url(key)} was never uploaded") from None
+            if part.token != f"{st.st_mtime_ns}:{st.st_size}":
+                raise StoreError(f"part {part.number} of {self.url(key)} was replaced after this PartInfo was made")
+            if i < len(parts) - 1 and st.st_size < self.limits.min_part_size:
+                raise StoreError(f"part {part.number} of {self.url(key)} is smaller than the store minimum")
+            sources.append(path)
+        tmp: Path | None = None
+        try:
+            if create_only and os.path.lexists(final):
+                raise FileExistsError(errno.EEXIST, "exists", str(final))
+            fd, tmp = self._open_tmp(final.parent)
+            try:
+                size = 0
+                for src in sources:
+                    size += self._append(src, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            mtime = self._finish_tmp(fd)
+            self._publish(tmp, final, create_only)
+        except OSError as exc:
+            if tmp is not None and tmp.exists():
+                os.unlink(tmp)
+            raise self._error(exc, key, "complete the upload of") from exc
+        shutil.rmtree(directory, ignore_errors=True)
+        return ObjectInfo(key, size, str(mtime))
+
+    @staticmethod
+    def _append(src: Path, out_fd: int) -> int:
+        """Append the file ``src`` to ``out_fd`` (kernel-side copy where possible)."""
+        with open(src, "rb") as fh:
+            in_fd = fh.fileno()
+            remaining = os.fstat(in_fd).st_size
+            copied = 0
+            copy_range = getattr(os, "copy_file_range", None)
+            while remaining > 0:
+                n = 0
+                if copy_range is not None:
+                    try:
+                        n = copy_range(in_fd, out_fd, min(remaining, _MAX_IO))
+                    except OSError as exc:
+                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                            raise
+                        copy_range = None
+                        continue
+                else:
+                    chunk = fh.read(min(remaining, _COPY_CHUNK))
+                    n = len(chunk)
+                    if n:
+                        LocalStore._write_all(out_fd, memoryview(chunk))
+                if n == 0:
+                    raise OSError(errno.EIO, "part file shrank while being copied", str(src))
+                remaining -= n
+                copied += n
+            return copied
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        manifest = self._manifest(upload_id)
+        if manifest is None or manifest.get("key") != key:
+            return
+        shutil.rmtree(self._upload_dir(upload_id), ignore_errors=True)
+
+    def list_multipart(self, prefix: str) -> list[PendingUpload]:
+        uploads = self.root / UPLOADS_DIR
+        try:
+            ids = os.listdir(uploads)
+        except FileNotFoundError:
+            if not self.root.is_dir():
+                raise BucketNotFoundError(f"directory {self.bucket} does not exist: create it or fix the path") from None
+            return []
+        found = []
+        for upload_id in ids:
+            manifest = self._manifest(upload_id)
+            if manifest is None or not str(manifest.get("key", "")).startswith(prefix):
+                continue
+            found.append(PendingUpload(manifest["key"], upload_id, manifest.get("initiated")))
+        found.sort(key=lambda u: (u.key, u.initiated or 0.0, u.upload_id))
+        return found
+
+    def close(self) -> None:
+        return None
+
+
+__all__ = ["LOCAL_PART_LIMITS", "LocalStore"]
