@@ -27,6 +27,7 @@ class MemoryStore:
         self.limits = limits or PartLimits(min_part_size=1, max_part_size=5 * 1024 * MiB, max_parts=10_000)
         self._objects: dict[str, bytes] = {}
         self._versions: dict[str, int] = {}
+        self._modified: dict[str, float] = {}
         self._uploads: dict[str, tuple[str, float, dict[int, bytes]]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -44,7 +45,8 @@ class MemoryStore:
             self._objects[key] = data
             version = self._versions.get(key, 0) + 1
             self._versions[key] = version
-            return ObjectInfo(key, len(data), str(version))
+            self._modified[key] = time.time()
+            return ObjectInfo(key, len(data), str(version), self._modified[key])
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         return self._store(key, bytes(data), create_only)
@@ -78,13 +80,16 @@ class MemoryStore:
             data = self._objects.get(key)
             if data is None:
                 raise ObjectNotFoundError(f"{self.url(key)} does not exist")
-            return ObjectInfo(key, len(data), str(self._versions[key]))
+            return ObjectInfo(key, len(data), str(self._versions[key]), self._modified[key])
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         with self._lock:
-            items = sorted((k, len(v), str(self._versions[k])) for k, v in self._objects.items() if k.startswith(prefix))
-        for key, size, version in items:
-            yield ObjectInfo(key, size, version)
+            items = sorted(
+                ObjectInfo(k, len(v), str(self._versions[k]), self._modified[k])
+                for k, v in self._objects.items()
+                if k.startswith(prefix)
+            )
+        yield from items
 
     def delete(self, keys: Sequence[str]) -> None:
         with self._lock:

@@ -28,6 +28,9 @@ class ObjectInfo:
     size: int
     #: Opaque version token (S3 ETag, GCS generation, local mtime_ns).
     version: str | None = None
+    #: Last modification, seconds since the epoch, where the store reports it
+    #: (used by garbage collection to leave in-flight saves alone).
+    modified: float | None = None
 
 
 @dataclass(frozen=True)
