@@ -255,7 +255,7 @@ class LocalStore:
             if tmp is not None and tmp.exists():
                 os.unlink(tmp)
             raise self._error(exc, key, "write") from exc
-        return ObjectInfo(key, len(view), str(mtime))
+        return ObjectInfo(key, len(view), str(mtime), mtime / 1e9)
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         views = [_byte_view(o) for o in outs]
@@ -317,7 +317,7 @@ class LocalStore:
             raise self._error(exc, key, "read") from exc
         if not os.path.isfile(path):
             raise ObjectNotFoundError(f"{self.url(key)} does not exist (it is a directory of keys)")
-        return ObjectInfo(key, st.st_size, str(st.st_mtime_ns))
+        return ObjectInfo(key, st.st_size, str(st.st_mtime_ns), st.st_mtime_ns / 1e9)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         if not self.root.is_dir():
@@ -344,7 +344,7 @@ class LocalStore:
                             walk(Path(entry.path), key + "/")
                     elif key.startswith(prefix):
                         st = entry.stat()
-                        found.append(ObjectInfo(key, st.st_size, str(st.st_mtime_ns)))
+                        found.append(ObjectInfo(key, st.st_size, str(st.st_mtime_ns), st.st_mtime_ns / 1e9))
                 except FileNotFoundError:
                     continue  # deleted while listing
 
@@ -458,7 +458,7 @@ class LocalStore:
                 os.unlink(tmp)
             raise self._error(exc, key, "complete the upload of") from exc
         shutil.rmtree(directory, ignore_errors=True)
-        return ObjectInfo(key, size, str(mtime))
+        return ObjectInfo(key, size, str(mtime), mtime / 1e9)
 
     @staticmethod
     def _append(src: Path, out_fd: int) -> int:

@@ -379,6 +379,16 @@ def _etag(value: Any) -> str | None:
     return str(value).strip('"') if value else None
 
 
+def _timestamp(value: Any) -> float | None:
+    """Seconds since the epoch of a datetime boto3 parsed, if any."""
+    return value.timestamp() if hasattr(value, "timestamp") else None
+
+
+def _epoch(value: Any) -> float | None:
+    """Seconds since the epoch of a boto3 timestamp (a timezone-aware datetime), if present."""
+    return value.timestamp() if value is not None and hasattr(value, "timestamp") else None
+
+
 class S3Store:
     """One S3 bucket. Thread-safe, picklable (the client is rebuilt per process).
 
@@ -632,7 +642,9 @@ class S3Store:
             response = self._client().head_object(Bucket=self.bucket, Key=key)
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
-        return ObjectInfo(key, int(response["ContentLength"]), _etag(response.get("ETag")))
+        return ObjectInfo(
+            key, int(response["ContentLength"]), _etag(response.get("ETag")), _epoch(response.get("LastModified"))
+        )
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         try:
@@ -641,7 +653,9 @@ class S3Store:
             )
             for page in pages:
                 for item in page.get("Contents", ()):
-                    yield ObjectInfo(item["Key"], int(item["Size"]), _etag(item.get("ETag")))
+                    yield ObjectInfo(
+                        item["Key"], int(item["Size"]), _etag(item.get("ETag")), _epoch(item.get("LastModified"))
+                    )
         except DcpCloudError:
             raise
         except Exception as exc:
@@ -744,10 +758,7 @@ class S3Store:
             )
             for page in pages:
                 for item in page.get("Uploads", ()):
-                    initiated = item.get("Initiated")
-                    found.append(
-                        PendingUpload(item["Key"], item["UploadId"], initiated.timestamp() if initiated else None)
-                    )
+                    found.append(PendingUpload(item["Key"], item["UploadId"], _timestamp(item.get("Initiated"))))
         except Exception as exc:
             raise self._fail(exc, prefix, "list the uploads under") from exc
         return found
