@@ -7,7 +7,9 @@ Credentials (``gcloud auth application-default login``,
 ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server), ``GOOGLE_CLOUD_PROJECT``,
 and ``STORAGE_EMULATOR_HOST`` (then anonymous credentials are used). An explicit
 :attr:`GCSConfig.endpoint` (emulator or private endpoint) uses ADC when there
-are any and anonymous credentials otherwise. :attr:`GCSConfig.credentials_file`
+are any and anonymous credentials otherwise; a plain ``http://`` endpoint
+(emulator, local proxy) always gets anonymous credentials unless credentials are
+given explicitly, so ADC tokens never travel unencrypted. :attr:`GCSConfig.credentials_file`
 names a service-account / ADC JSON file; it is carried by reference, so a store
 built from it pickles and works in the child processes of a process-based
 ``async_save`` (the file must be readable there). A credentials *object* passed
@@ -167,6 +169,8 @@ class GCSConfig:
     #: API endpoint, e.g. ``"http://127.0.0.1:4443"`` for an emulator or
     #: ``"https://storage-xyz.p.googleapis.com"`` for a private endpoint.
     #: ``None``: ``STORAGE_EMULATOR_HOST`` if set, else the public endpoint.
+    #: An ``http://`` endpoint is used with anonymous credentials unless
+    #: ``credentials_file`` (or ``credentials=``) is given.
     endpoint: str | None = None
     #: Path of a service-account or ADC JSON file, read in each process that
     #: uses the store (so it must exist there). ``None``: Application Default
@@ -391,6 +395,11 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
+def _epoch(value: Any) -> float | None:
+    """Seconds since the epoch of a blob timestamp (``blob.updated``), if the server sent one."""
+    return value.timestamp() if value is not None and hasattr(value, "timestamp") else None
+
+
 class GCSStore:
     """One GCS bucket as an :class:`~dcp_cloud.store.protocol.ObjectStore` (see the module docstring)."""
 
@@ -489,8 +498,10 @@ class GCSStore:
                     f"GCSConfig.credentials_file {path!r} is not a usable credentials file ({type(exc).__name__})"
                 ) from exc
             return creds, project or file_project
-        if os.environ.get("STORAGE_EMULATOR_HOST") and not self.config.endpoint:
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
             return None, project  # the client uses anonymous credentials against the emulator
+        if self.config.endpoint and self.config.endpoint.startswith("http://"):
+            return AnonymousCredentials(), project  # never send ADC tokens over plain HTTP
         try:
             creds, adc_project = google.auth.default(scopes=_SCOPES)
         except auth_exceptions.DefaultCredentialsError:
@@ -689,7 +700,7 @@ class GCSStore:
             blob.reload(retry=None, timeout=self.request_timeout, projection="noAcl")
         except Exception as exc:
             raise self._error(exc, key) from exc
-        return ObjectInfo(key, int(blob.size or 0), str(blob.generation))
+        return ObjectInfo(key, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
 
     def _iter_blobs(self, prefix: str) -> Iterator[storage.Blob]:
         try:
@@ -703,7 +714,7 @@ class GCSStore:
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         for blob in self._iter_blobs(prefix):
             if PARTS_MARKER not in blob.name:  # temporaries of composite uploads
-                yield ObjectInfo(blob.name, int(blob.size or 0), str(blob.generation))
+                yield ObjectInfo(blob.name, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
 
     def _delete_one(self, name: str) -> None:
         from google.api_core import exceptions as api_exceptions

@@ -322,6 +322,26 @@ class GCSEmulator:
     def buckets(self) -> list[str]:
         return [b["name"] for b in self._request("GET", "/storage/v1/b").get("items", [])]
 
+    def delete_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` and every object in it; a missing bucket is ignored."""
+        quoted = urllib.parse.quote(name, safe="")
+        try:
+            while True:
+                items = self._request("GET", f"/storage/v1/b/{quoted}/o").get("items", [])
+                if not items:
+                    break
+                for item in items:
+                    obj = urllib.parse.quote(item["name"], safe="")
+                    try:
+                        self._request("DELETE", f"/storage/v1/b/{quoted}/o/{obj}")
+                    except urllib.error.HTTPError as exc:
+                        if exc.code != 404:
+                            raise
+            self._request("DELETE", f"/storage/v1/b/{quoted}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+
     def reset(self) -> None:
         """Delete every object and every bucket."""
         self._request("POST", "/_internal/delete_all")  # objects, in one call

@@ -1,0 +1,544 @@
+"""GCS-specific behaviour of GCSStore, against fake-gcs-server (see the gcs_* fixtures)."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+
+import crc32c
+import pytest
+import requests
+import urllib3.exceptions
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+from google.cloud.storage import exceptions as storage_exceptions
+
+from dcp_cloud.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    TransientStoreError,
+)
+from dcp_cloud.store.gcs import PARTS_MARKER, GCSConfig, GCSStore, _translate
+from dcp_cloud.store.protocol import ObjectStore
+from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
+
+
+def raw_names(store: GCSStore) -> list[str]:
+    """Every object in the bucket, temporaries included."""
+    return sorted(blob.name for blob in store._iter_blobs(""))
+
+
+def temporaries(store: GCSStore) -> list[str]:
+    return [name for name in raw_names(store) if PARTS_MARKER in name]
+
+
+def upload_parts(store: GCSStore, key: str, data: bytes, part_size: int):
+    upload_id = store.create_multipart(key)
+    parts = [
+        store.put_part(key, upload_id, i + 1, data[off : off + part_size])
+        for i, off in enumerate(range(0, len(data), part_size))
+    ]
+    return upload_id, parts
+
+
+# -- basics -----------------------------------------------------------------------------
+
+
+def test_is_an_object_store(gcs_store: GCSStore) -> None:
+    assert isinstance(gcs_store, ObjectStore)
+    assert gcs_store.url("a/b") == f"gs://{gcs_store.bucket}/a/b"
+    gcs_store.check_bucket()
+
+
+def test_put_get_head_list_delete(gcs_store: GCSStore) -> None:
+    info = gcs_store.put("d/a", b"alpha")
+    gcs_store.put("d/b", bytearray(b"beta"))
+    gcs_store.put("e/c", memoryview(b"gamma"))
+    assert info.size == 5 and info.version
+    assert gcs_store.get("d/a") == b"alpha"
+    assert gcs_store.head("d/a") == info
+    assert [(o.key, o.size) for o in gcs_store.list("d/")] == [("d/a", 5), ("d/b", 4)]
+    gcs_store.delete(["d/a", "d/missing", "e/c"])
+    assert [o.key for o in gcs_store.list("")] == ["d/b"]
+    with pytest.raises(ObjectNotFoundError, match="d/a"):
+        gcs_store.head("d/a")
+
+
+def test_missing_bucket_is_named(gcs_emulator: GCSEmulator, gcs_env: dict[str, str]) -> None:
+    store = GCSStore("no-such-bucket-dcp", GCSConfig(endpoint=gcs_emulator.endpoint))
+    calls = [
+        store.check_bucket,
+        lambda: store.get("k"),
+        lambda: store.head("k"),
+        lambda: store.put("k", b"x"),
+        lambda: list(store.list("")),
+        lambda: store.read_into("k", 0, [memoryview(bytearray(4))]),
+        lambda: store.create_multipart("k"),
+    ]
+    for call in calls:
+        with pytest.raises(BucketNotFoundError, match="gs://no-such-bucket-dcp") as info:
+            call()
+        assert isinstance(info.value.__cause__, api_exceptions.NotFound)
+        assert isinstance(info.value, FileNotFoundError)
+
+
+def test_missing_object_is_not_a_missing_bucket(gcs_store: GCSStore) -> None:
+    with pytest.raises(ObjectNotFoundError, match=f"gs://{gcs_store.bucket}/nope"):
+        gcs_store.get("nope")
+    with pytest.raises(ObjectNotFoundError):
+        gcs_store.read_into("nope", 0, [memoryview(bytearray(1))])
+
+
+def test_create_only_put_twice(gcs_store: GCSStore) -> None:
+    gcs_store.put("meta/.metadata", b"first", create_only=True)
+    with pytest.raises(PreconditionFailedError, match="meta/.metadata") as info:
+        gcs_store.put("meta/.metadata", b"second", create_only=True)
+    assert isinstance(info.value.__cause__, api_exceptions.PreconditionFailed)
+    assert gcs_store.get("meta/.metadata") == b"first"
+    gcs_store.put("meta/.metadata", b"third")  # an ordinary put overwrites
+    assert gcs_store.get("meta/.metadata") == b"third"
+
+
+def test_create_only_put_above_simple_upload_limit(gcs_store: GCSStore) -> None:
+    # > 8 MiB goes through a resumable session, whose precondition fake-gcs ignores:
+    # the store's pre-check still refuses.
+    data = os.urandom(8 * 1024 * 1024 + 1)
+    gcs_store.put("big", data, create_only=True)
+    with pytest.raises(PreconditionFailedError):
+        gcs_store.put("big", b"x" * len(data), create_only=True)
+    assert gcs_store.get("big") == data
+
+
+def test_keys_with_the_parts_marker_are_refused(gcs_store: GCSStore) -> None:
+    with pytest.raises(StoreError, match="reserves"):
+        gcs_store.put(f"a{PARTS_MARKER}x", b"1")
+    with pytest.raises(StoreError, match="reserves"):
+        gcs_store.create_multipart(f"a{PARTS_MARKER}x")
+
+
+# -- ranged reads -------------------------------------------------------------------------
+
+
+def test_read_into_scatters(gcs_store: GCSStore) -> None:
+    data = bytes(range(256)) * 4
+    gcs_store.put("obj", data)
+    a, b, c = bytearray(10), bytearray(0), bytearray(300)
+    gcs_store.read_into("obj", 5, [memoryview(a), memoryview(b), memoryview(c)])
+    assert bytes(a) == data[5:15] and bytes(c) == data[15:315]
+    floats = memoryview(bytearray(16)).cast("f")  # any contiguous format is read as bytes
+    gcs_store.read_into("obj", 1000, [floats])
+    assert floats.tobytes() == data[1000:1016]
+
+
+def test_read_into_past_the_end(gcs_store: GCSStore) -> None:
+    gcs_store.put("obj", b"0123456789")
+    with pytest.raises(CorruptCheckpointError, match="obj"):  # straddles the end: a short 206
+        gcs_store.read_into("obj", 8, [memoryview(bytearray(5))])
+    with pytest.raises(CorruptCheckpointError, match="obj"):  # wholly past the end: 416
+        gcs_store.read_into("obj", 10, [memoryview(bytearray(1))])
+    with pytest.raises(CorruptCheckpointError):
+        gcs_store.read_into("obj", -1, [memoryview(bytearray(1))])
+
+
+def test_read_into_zero_bytes_makes_no_request(gcs_emulator: GCSEmulator, gcs_env: dict[str, str]) -> None:
+    store = GCSStore("no-such-bucket-dcp", GCSConfig(endpoint=gcs_emulator.endpoint))
+    store.read_into("whatever", 123, [memoryview(bytearray(0))])
+    store.read_into("whatever", 0, [])
+
+
+def test_short_body_is_transient(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    gcs_store.put("obj", b"0123456789")
+    blob_cls = type(gcs_store._blob("obj"))
+
+    def truncated(self, file_obj, start=None, end=None, **kwargs):
+        file_obj.write(b"01")  # the connection "ended" early inside the object
+
+    monkeypatch.setattr(blob_cls, "download_to_file", truncated)
+    with pytest.raises(TransientStoreError, match="short read"):
+        gcs_store.read_into("obj", 0, [memoryview(bytearray(8))])
+
+
+# -- composite uploads ------------------------------------------------------------------------
+
+
+def test_composite_upload_chains_compose(gcs_store: GCSStore) -> None:
+    data = os.urandom(70 * 1000 + 123)  # 71 parts: 3 intermediates, then the final compose
+    upload_id, parts = upload_parts(gcs_store, "ckpt/shard", data, 1000)
+    assert len(parts) == 71 and all(p.token for p in parts)
+    assert gcs_store.list_multipart("ckpt/")[0].upload_id == upload_id
+    assert [o.key for o in gcs_store.list("")] == []  # temporaries are hidden
+    info = gcs_store.complete_multipart("ckpt/shard", upload_id, parts, create_only=True)
+    assert info.size == len(data)
+    assert gcs_store.get("ckpt/shard") == data
+    out = bytearray(5000)
+    gcs_store.read_into("ckpt/shard", 31_500, [memoryview(out)])  # across part boundaries
+    assert bytes(out) == data[31_500:36_500]
+    assert temporaries(gcs_store) == []
+    assert gcs_store.list_multipart("") == []
+    assert raw_names(gcs_store) == ["ckpt/shard"]
+
+
+def test_composite_upload_one_and_zero_parts(gcs_store: GCSStore) -> None:
+    upload_id, parts = upload_parts(gcs_store, "one", b"single", 100)
+    assert gcs_store.complete_multipart("one", upload_id, parts).size == 6
+    assert gcs_store.get("one") == b"single"
+    upload_id = gcs_store.create_multipart("zero")
+    assert gcs_store.complete_multipart("zero", upload_id, []).size == 0
+    assert gcs_store.get("zero") == b""
+    assert raw_names(gcs_store) == ["one", "zero"]
+
+
+def test_reuploaded_part_replaces_and_stale_token_is_refused(gcs_store: GCSStore) -> None:
+    upload_id, parts = upload_parts(gcs_store, "k", b"aaaabbbb", 4)
+    newer = gcs_store.put_part("k", upload_id, 2, b"cccc")
+    with pytest.raises(StoreError, match="re-uploaded"):
+        gcs_store.complete_multipart("k", upload_id, parts)
+    assert temporaries(gcs_store) == []  # a permanent failure releases the upload
+    upload_id, parts = upload_parts(gcs_store, "k", b"aaaabbbb", 4)
+    newer = gcs_store.put_part("k", upload_id, 2, b"cccc")
+    gcs_store.complete_multipart("k", upload_id, [parts[0], newer])
+    assert gcs_store.get("k") == b"aaaacccc"
+
+
+def test_abort_leaves_no_temporaries(gcs_store: GCSStore) -> None:
+    upload_id, _ = upload_parts(gcs_store, "k", os.urandom(40 * 100), 100)
+    other_id, _ = upload_parts(gcs_store, "other", b"keep me", 100)
+    gcs_store.abort_multipart("k", upload_id)
+    assert [u.upload_id for u in gcs_store.list_multipart("")] == [other_id]
+    assert all(other_id in name for name in temporaries(gcs_store))
+    gcs_store.abort_multipart("k", upload_id)  # twice: ignored
+    gcs_store.abort_multipart("k", "not-an-upload-id")  # unknown: ignored
+    with pytest.raises(StoreError, match="no multipart upload"):
+        gcs_store.complete_multipart("k", upload_id, [])
+    with pytest.raises(ObjectNotFoundError):
+        gcs_store.head("k")
+
+
+def test_list_multipart_reports_uploads_without_parts(gcs_store: GCSStore) -> None:
+    before = time.time()
+    upload_id = gcs_store.create_multipart("a/k")
+    (pending,) = gcs_store.list_multipart("a/")
+    assert (pending.key, pending.upload_id) == ("a/k", upload_id)
+    assert before - 1 <= pending.initiated <= time.time() + 1
+    assert gcs_store.list_multipart("b/") == []
+
+
+def test_missing_component_fails_complete_and_deletes_temporaries(gcs_store: GCSStore) -> None:
+    upload_id, parts = upload_parts(gcs_store, "k", os.urandom(40 * 100), 100)
+    gcs_store._delete_one(f"k{PARTS_MARKER}{upload_id}/p00007")  # injected: a part vanished
+    with pytest.raises(StoreError, match="part 7"):
+        gcs_store.complete_multipart("k", upload_id, parts)
+    assert temporaries(gcs_store) == []
+    assert raw_names(gcs_store) == []
+
+
+def test_failure_in_final_compose(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transient: intermediates go, parts stay, so a retry completes. Permanent: all go."""
+    data = os.urandom(40 * 100)
+    upload_id, parts = upload_parts(gcs_store, "k", data, 100)
+    real_compose = GCSStore._compose
+    failure: list[Exception] = [api_exceptions.ServiceUnavailable("injected")]
+
+    def flaky(self, dest, sources, *, create_only=False):
+        if dest == "k" and failure:
+            assert temporaries(self) != [] and any("/c01-" in n for n in temporaries(self))
+            raise failure.pop()
+        return real_compose(self, dest, sources, create_only=create_only)
+
+    monkeypatch.setattr(GCSStore, "_compose", flaky)
+    with pytest.raises(TransientStoreError) as info:
+        gcs_store.complete_multipart("k", upload_id, parts)
+    assert isinstance(info.value.__cause__, api_exceptions.ServiceUnavailable)
+    left = temporaries(gcs_store)
+    assert len(left) == 41 and not any("/c01-" in n for n in left)  # 40 parts + marker
+    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)  # the retry
+    assert gcs_store.get("k") == data and temporaries(gcs_store) == []
+
+    upload_id, parts = upload_parts(gcs_store, "k2", data, 100)
+    failure.append(api_exceptions.Forbidden("injected"))
+    monkeypatch.setattr(GCSStore, "_compose", lambda self, dest, sources, create_only=False: flaky(
+        self, "k" if dest == "k2" else dest, sources, create_only=create_only))
+    with pytest.raises(AccessDeniedError):
+        gcs_store.complete_multipart("k2", upload_id, parts)
+    assert temporaries(gcs_store) == []
+
+
+def test_create_only_complete_onto_existing(gcs_store: GCSStore) -> None:
+    gcs_store.put("k", b"committed")
+    upload_id, parts = upload_parts(gcs_store, "k", os.urandom(3300), 100)
+    with pytest.raises(PreconditionFailedError, match="gs://.*/k"):
+        gcs_store.complete_multipart("k", upload_id, parts, create_only=True)
+    assert gcs_store.get("k") == b"committed"
+    assert temporaries(gcs_store) == []
+
+
+def test_limits_and_part_numbers(gcs_store: GCSStore) -> None:
+    assert gcs_store.limits.min_part_size == 1
+    assert gcs_store.limits.max_parts == 10_000
+    upload_id = gcs_store.create_multipart("k")
+    for bad in (0, 10_001):
+        with pytest.raises(StoreError, match="outside"):
+            gcs_store.put_part("k", upload_id, bad, b"x")
+    with pytest.raises(StoreError, match="not an upload id"):
+        gcs_store.put_part("k", "../../etc", 1, b"x")
+
+
+# -- integrity ----------------------------------------------------------------------------------
+
+
+def _capture_upload_metadata(store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Spy on the client's session: the object metadata of every upload request."""
+    session = store._client_()._http
+    real = session.request
+    seen: list[dict] = []
+
+    def spy(method, url, data=None, headers=None, **kwargs):
+        if method == "POST" and "/upload/" in url:
+            body = data if isinstance(data, bytes) else b""
+            if "uploadType=multipart" in url:  # metadata is the first part of multipart/related
+                body = body.split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0]
+            seen.append(json.loads(body))
+        return real(method, url, data=data, headers=headers, **kwargs)
+
+    monkeypatch.setattr(session, "request", spy)
+    return seen
+
+
+def test_uploads_carry_crc32c(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _capture_upload_metadata(gcs_store, monkeypatch)
+    small, large = b"small object", os.urandom(9 * 1024 * 1024)
+    gcs_store.put("given", small, crc32c=crc32c.crc32c(small))
+    gcs_store.put("computed", small)  # no crc32c given: the store computes it
+    gcs_store.put("resumable", large, crc32c=crc32c.crc32c(large))
+    expected = [crc32c.crc32c(small), crc32c.crc32c(small), crc32c.crc32c(large)]
+    import base64
+
+    assert [int.from_bytes(base64.b64decode(m["crc32c"]), "big") for m in seen] == expected
+    # fake-gcs-server does not verify it (real GCS answers 400), but stores the right bytes:
+    assert gcs_store.get("resumable") == large
+
+
+def test_checksums_can_be_turned_off(gcs_emulator: GCSEmulator, gcs_env, gcs_bucket, monkeypatch) -> None:
+    store = GCSStore(gcs_bucket, GCSConfig(endpoint=gcs_emulator.endpoint, transport_checksums=False))
+    seen = _capture_upload_metadata(store, monkeypatch)
+    store.put("k", b"data", crc32c=123)
+    assert "crc32c" not in seen[0]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+class _Response:
+    def __init__(self, status_code: int) -> None:
+        self.status_code = status_code
+        self.headers: dict[str, str] = {}
+
+
+@pytest.mark.parametrize(
+    ("exc", "missing", "expected"),
+    [
+        (api_exceptions.NotFound("x"), "bucket", BucketNotFoundError),
+        (api_exceptions.NotFound("x"), "object", ObjectNotFoundError),
+        (api_exceptions.Unauthorized("x"), "object", AccessDeniedError),
+        (api_exceptions.Forbidden("x"), "object", AccessDeniedError),
+        (api_exceptions.PreconditionFailed("x"), "object", PreconditionFailedError),
+        (api_exceptions.RequestRangeNotSatisfiable("x"), "object", CorruptCheckpointError),
+        (api_exceptions.from_http_status(408, "x"), "object", TransientStoreError),
+        (api_exceptions.TooManyRequests("x"), "object", TransientStoreError),
+        (api_exceptions.InternalServerError("x"), "object", TransientStoreError),
+        (api_exceptions.BadGateway("x"), "object", TransientStoreError),
+        (api_exceptions.ServiceUnavailable("x"), "object", TransientStoreError),
+        (api_exceptions.GatewayTimeout("x"), "object", TransientStoreError),
+        (api_exceptions.BadRequest("x"), "object", StoreError),
+        (api_exceptions.Conflict("x"), "object", StoreError),
+        (storage_exceptions.InvalidResponse(_Response(503), "x"), "object", TransientStoreError),
+        (storage_exceptions.InvalidResponse(_Response(404), "x"), "bucket", BucketNotFoundError),
+        (storage_exceptions.InvalidResponse(_Response(412), "x"), "object", PreconditionFailedError),
+        (storage_exceptions.DataCorruption(_Response(200), "x"), "object", TransientStoreError),
+        (requests.exceptions.ConnectionError("reset"), "object", TransientStoreError),
+        (requests.exceptions.ReadTimeout("slow"), "object", TransientStoreError),
+        (requests.exceptions.ChunkedEncodingError("cut"), "object", TransientStoreError),
+        (urllib3.exceptions.ProtocolError("IncompleteRead"), "object", TransientStoreError),
+        (ConnectionResetError(), "object", TransientStoreError),
+        (auth_exceptions.TransportError("metadata server down"), "object", TransientStoreError),
+        (auth_exceptions.DefaultCredentialsError("none"), "object", AccessDeniedError),
+        (auth_exceptions.RefreshError("revoked"), "object", AccessDeniedError),
+        (ValueError("weird"), "object", StoreError),
+    ],
+)
+def test_translate(exc: BaseException, missing: str, expected: type) -> None:
+    err = _translate(exc, "bkt", "a/key", missing=missing)
+    assert type(err) is expected
+    assert "gs://bkt" in str(err)
+    if expected is not BucketNotFoundError:
+        assert "gs://bkt/a/key" in str(err)
+
+
+def test_translate_keeps_bodies_out() -> None:
+    exc = api_exceptions.Forbidden("caller does not have storage.objects.get access; token=ya29.SECRET")
+    err = _translate(exc, "bkt", "k")
+    assert "SECRET" not in str(err) and "HTTP 403" in str(err)
+
+
+def test_connection_refused_is_transient(gcs_env: dict[str, str]) -> None:
+    store = GCSStore("b", GCSConfig(endpoint="http://127.0.0.1:9"), request_timeout=2)
+    with pytest.raises(TransientStoreError, match="gs://b/k") as info:
+        store.get("k")
+    assert isinstance(info.value.__cause__, requests.exceptions.ConnectionError)
+
+
+# -- configuration, credentials, pickling, processes ---------------------------------------------------
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError):
+        GCSConfig(endpoint="ftp://host")
+    with pytest.raises(ConfigError):
+        GCSConfig(endpoint="http://host:1/some/path")
+    with pytest.raises(ConfigError):
+        GCSConfig(project="")
+    with pytest.raises(ConfigError):
+        GCSConfig(transport_checksums="yes")  # type: ignore[arg-type]
+    assert GCSConfig(endpoint="http://127.0.0.1:4443/").endpoint == "http://127.0.0.1:4443"
+    with pytest.raises(ConfigError):
+        GCSStore("gs://bucket")
+    with pytest.raises(ConfigError):
+        GCSStore("b", request_timeout=0)
+    with pytest.raises(ConfigError):
+        GCSStore("b", max_connections=0)
+    with pytest.raises(ConfigError):
+        GCSStore("b", GCSConfig(credentials_file="x.json"), credentials=object())  # type: ignore[arg-type]
+
+
+def test_missing_credentials_file(tmp_path) -> None:
+    store = GCSStore("b", GCSConfig(credentials_file=str(tmp_path / "absent.json")))
+    with pytest.raises(ConfigError, match="absent.json"):
+        store.check_bucket()
+
+
+def test_store_pickles_without_client(gcs_store: GCSStore) -> None:
+    gcs_store.put("k", b"v")
+    assert gcs_store._client is not None
+    clone = pickle.loads(pickle.dumps(gcs_store))
+    assert clone._client is None
+    assert clone.get("k") == b"v"
+    assert clone._client is not gcs_store._client
+
+
+def test_explicit_credentials_refuse_to_pickle(gcs_emulator: GCSEmulator, gcs_bucket: str) -> None:
+    from google.oauth2.credentials import Credentials
+
+    creds = Credentials(token="ya29.SECRET-TOKEN")
+    store = GCSStore(gcs_bucket, GCSConfig(endpoint=gcs_emulator.endpoint), credentials=creds)
+    assert "SECRET" not in repr(store)
+    store.put("k", b"usable in-process")  # the emulator ignores the token
+    assert store.get("k") == b"usable in-process"
+    with pytest.raises(ConfigError, match="credentials_file"):
+        pickle.dumps(store)
+
+
+def test_emulator_host_env_alone_is_enough(gcs_env: dict[str, str], gcs_bucket: str) -> None:
+    store = GCSStore(gcs_bucket)  # default config: STORAGE_EMULATOR_HOST does it
+    store.put("k", b"via env")
+    assert store.get("k") == b"via env"
+    assert store._client_()._connection.API_BASE_URL == gcs_env["STORAGE_EMULATOR_HOST"]
+
+
+def test_client_is_recreated_after_fork(gcs_store: GCSStore) -> None:
+    gcs_store.put("parent", b"p")
+    parent_client = gcs_store._client_()
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_child_put, args=(gcs_store, id(parent_client)))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert gcs_store.get("child") == b"ok"
+    assert gcs_store._client_() is parent_client
+
+
+def _child_put(store: GCSStore, parent_client_id: int) -> None:
+    assert id(store._client_()) != parent_client_id
+    store.put("child", b"ok")
+
+
+def test_connection_pool_fits_max_connections(gcs_store: GCSStore) -> None:
+    adapter = gcs_store._client_()._http.get_adapter(gcs_store.config.endpoint)
+    assert adapter._pool_maxsize == gcs_store.max_connections
+
+
+def test_concurrent_reads(gcs_store: GCSStore) -> None:
+    import concurrent.futures
+
+    data = os.urandom(1 << 20)
+    gcs_store.put("obj", data)
+
+    def read(i: int) -> bytes:
+        out = bytearray(4096)
+        gcs_store.read_into("obj", i * 4096, [memoryview(out)])
+        return bytes(out)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        chunks = list(pool.map(read, range(256)))
+    assert b"".join(chunks) == data
+
+
+# -- the emulator itself -------------------------------------------------------------------------------
+
+
+def test_emulator_process_is_gone_after_stop() -> None:
+    emulator = GCSEmulator().start()
+    pid = emulator.pid
+    assert pid is not None and emulator.running
+    env = gcs_env(emulator)
+    assert env["STORAGE_EMULATOR_HOST"] == emulator.endpoint and env["GOOGLE_CLOUD_PROJECT"]
+    emulator.stop()
+    assert not emulator.running and emulator.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="not running"):
+        emulator.endpoint
+    emulator.stop()  # idempotent
+
+
+def test_emulator_reset_and_restart() -> None:
+    with GCSEmulator() as emulator:
+        emulator.create_bucket("b1")
+        store = GCSStore("b1", GCSConfig(endpoint=emulator.endpoint))
+        store.put("k", b"v")
+        emulator.reset()
+        assert emulator.buckets() == []
+        emulator.create_bucket("b1")
+        assert list(store.list("")) == []
+        # A server killed from outside is noticed and can be started again.
+        os.kill(emulator.pid, signal.SIGKILL)
+        time.sleep(0.05)
+        assert not emulator.running
+        emulator.start()
+        assert emulator.running and emulator.buckets() == []
+
+
+def test_emulator_failure_shows_log(tmp_path) -> None:
+    fake = tmp_path / "fake-gcs-server"
+    fake.write_text("#!/bin/sh\necho 'cannot bind: address in use' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="cannot bind"):
+        GCSEmulator(binary=fake, port=1).start()
+
+
+def test_buffer_reader_roundtrip() -> None:
+    from dcp_cloud.store.gcs import _BufferReader
+
+    reader = _BufferReader(memoryview(b"0123456789"))
+    assert reader.read(3) == b"012" and reader.tell() == 3
+    reader.seek(-2, io.SEEK_END)
+    assert reader.read() == b"89" and reader.read(5) == b""
