@@ -7,7 +7,9 @@ Credentials (``gcloud auth application-default login``,
 ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server), ``GOOGLE_CLOUD_PROJECT``,
 and ``STORAGE_EMULATOR_HOST`` (then anonymous credentials are used). An explicit
 :attr:`GCSConfig.endpoint` (emulator or private endpoint) uses ADC when there
-are any and anonymous credentials otherwise. :attr:`GCSConfig.credentials_file`
+are any and anonymous credentials otherwise; a plain ``http://`` endpoint
+(emulator, local proxy) always gets anonymous credentials unless credentials are
+given explicitly, so ADC tokens never travel unencrypted. :attr:`GCSConfig.credentials_file`
 names a service-account / ADC JSON file; it is carried by reference, so a store
 built from it pickles and works in the child processes of a process-based
 ``async_save`` (the file must be readable there). A credentials *object* passed
@@ -167,6 +169,8 @@ class GCSConfig:
     #: API endpoint, e.g. ``"http://127.0.0.1:4443"`` for an emulator or
     #: ``"https://storage-xyz.p.googleapis.com"`` for a private endpoint.
     #: ``None``: ``STORAGE_EMULATOR_HOST`` if set, else the public endpoint.
+    #: An ``http://`` endpoint is used with anonymous credentials unless
+    #: ``credentials_file`` (or ``credentials=``) is given.
     endpoint: str | None = None
     #: Path of a service-account or ADC JSON file, read in each process that
     #: uses the store (so it must exist there). ``None``: Application Default
@@ -494,8 +498,10 @@ class GCSStore:
                     f"GCSConfig.credentials_file {path!r} is not a usable credentials file ({type(exc).__name__})"
                 ) from exc
             return creds, project or file_project
-        if os.environ.get("STORAGE_EMULATOR_HOST") and not self.config.endpoint:
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
             return None, project  # the client uses anonymous credentials against the emulator
+        if self.config.endpoint and self.config.endpoint.startswith("http://"):
+            return AnonymousCredentials(), project  # never send ADC tokens over plain HTTP
         try:
             creds, adc_project = google.auth.default(scopes=_SCOPES)
         except auth_exceptions.DefaultCredentialsError:
