@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import crc32c
@@ -65,9 +67,11 @@ def test_put_get_head_list_delete(gcs_store: GCSStore) -> None:
     gcs_store.put("d/b", bytearray(b"beta"))
     gcs_store.put("e/c", memoryview(b"gamma"))
     assert info.size == 5 and info.version
+    assert info.modified is not None and abs(info.modified - time.time()) < 3600
     assert gcs_store.get("d/a") == b"alpha"
     assert gcs_store.head("d/a") == info
     assert [(o.key, o.size) for o in gcs_store.list("d/")] == [("d/a", 5), ("d/b", 4)]
+    assert all(o.modified is not None for o in gcs_store.list(""))
     gcs_store.delete(["d/a", "d/missing", "e/c"])
     assert [o.key for o in gcs_store.list("")] == ["d/b"]
     with pytest.raises(ObjectNotFoundError, match="d/a"):
@@ -464,6 +468,20 @@ def test_client_is_recreated_after_fork(gcs_store: GCSStore) -> None:
     assert proc.exitcode == 0
     assert gcs_store.get("child") == b"ok"
     assert gcs_store._client_() is parent_client
+
+
+def test_pickled_store_works_in_a_fresh_process(gcs_store: GCSStore) -> None:
+    """What a process-based async_save does: the child gets the pickled store and the environment."""
+    code = (
+        "import pickle, sys\n"
+        "store = pickle.loads(sys.stdin.buffer.read())\n"
+        "store.put('from-child', b'written by a child process')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(gcs_store), capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert gcs_store.get("from-child") == b"written by a child process"
 
 
 def _child_put(store: GCSStore, parent_client_id: int) -> None:

@@ -437,6 +437,7 @@ class GCSStore:
         self._credentials = credentials
         self._client: storage.Client | None = None
         self._client_pid: int | None = None
+        self._bucket_seen = False
         self._lock = threading.Lock()
         self._lock_pid = os.getpid()
 
@@ -550,7 +551,12 @@ class GCSStore:
         return self._bucket().blob(name)
 
     def _bucket_exists(self) -> bool:
-        """False only if the bucket is known to be missing (used to explain an ambiguous 404)."""
+        """False only if the bucket is known to be missing (used to explain an ambiguous 404).
+
+        A bucket seen once is assumed to stay, so a run of missing objects costs one probe.
+        """
+        if self._bucket_seen:
+            return True
         try:
             for _ in self._client_().list_blobs(
                 self.bucket, max_results=1, retry=None, timeout=self.request_timeout
@@ -558,6 +564,7 @@ class GCSStore:
                 break
         except Exception as exc:  # noqa: BLE001 - any other answer leaves the 404 as it was
             return not isinstance(_translate(exc, self.bucket, None, missing="bucket"), BucketNotFoundError)
+        self._bucket_seen = True
         return True
 
     def _error(self, exc: BaseException, key: str | None, *, missing: str = "either") -> DcpCloudError:
@@ -597,8 +604,8 @@ class GCSStore:
         except Exception as exc:
             raise _translate(exc, self.bucket, None, missing="bucket") from exc
 
-    def _upload(self, name: str, data: Buffer, *, create_only: bool, crc32c: int | None) -> tuple[int, int]:
-        """Upload ``data`` to ``name`` in one call; returns (generation, size). Errors untranslated."""
+    def _upload(self, name: str, data: Buffer, *, create_only: bool, crc32c: int | None) -> ObjectInfo:
+        """Upload ``data`` to ``name`` in one call. Errors untranslated."""
         from google.cloud.storage import blob as blob_module
 
         view = _byte_view(data)
@@ -622,7 +629,7 @@ class GCSStore:
             timeout=self.request_timeout,
             crc32c_checksum_value=checksum_b64,
         )
-        return int(blob.generation), size
+        return ObjectInfo(name, size, str(blob.generation), _epoch(blob.updated))
 
     def _require_absent(self, name: str) -> None:
         """Emulator-compatible create-only check for paths whose precondition fake-gcs ignores."""
@@ -637,10 +644,9 @@ class GCSStore:
     def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         self._check_key(key)
         try:
-            generation, size = self._upload(key, data, create_only=create_only, crc32c=crc32c)
+            return self._upload(key, data, create_only=create_only, crc32c=crc32c)
         except Exception as exc:
             raise self._error(exc, key, missing="bucket") from exc
-        return ObjectInfo(key, size, str(generation))
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         writer = _ScatterWriter(outs)
@@ -757,10 +763,10 @@ class GCSStore:
             raise StoreError(f"part number {number!r} of {self.url(key)} is outside 1..{self.limits.max_parts}")
         name = f"{self._upload_prefix(key, upload_id)}p{number:05d}"
         try:
-            generation, size = self._upload(name, data, create_only=False, crc32c=crc32c)
+            info = self._upload(name, data, create_only=False, crc32c=crc32c)
         except Exception as exc:
             raise self._error(exc, key, missing="bucket") from exc
-        return PartInfo(number, str(generation), size)
+        return PartInfo(number, str(info.version), info.size)
 
     def _compose(self, dest: str, sources: Sequence[tuple[str, int]], *, create_only: bool = False) -> storage.Blob:
         """One compose call of ``sources`` ((name, generation) pairs) into ``dest``. Errors untranslated."""
@@ -805,7 +811,7 @@ class GCSStore:
             if create_only:
                 self._require_absent(key)  # fake-gcs ignores ifGenerationMatch on compose
             if not sources:
-                generation, size = self._upload(key, b"", create_only=create_only, crc32c=None)
+                result = self._upload(key, b"", create_only=create_only, crc32c=None)
             else:
                 level = 0
                 while len(sources) > COMPOSE_MAX_SOURCES:
@@ -818,7 +824,7 @@ class GCSStore:
                     composed = self._parallel(lambda g: self._compose(g[0], g[1]), groups)
                     sources = [(blob.name, int(blob.generation)) for blob in composed]
                 final = self._compose(key, sources, create_only=create_only)
-                generation, size = int(final.generation), int(final.size)
+                result = ObjectInfo(key, int(final.size), str(final.generation), _epoch(final.updated))
             released = True
         except Exception as exc:
             err = self._error(exc, key, missing="either")
@@ -830,7 +836,7 @@ class GCSStore:
         finally:
             if released:
                 self._cleanup([*existing, *intermediates], key)
-        return ObjectInfo(key, size, str(generation))
+        return result
 
     def _cleanup(self, names: Sequence[str], key: str) -> None:
         """Delete temporaries, best effort: a leftover is logged (list_multipart finds it), never raised."""

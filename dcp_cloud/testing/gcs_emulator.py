@@ -93,6 +93,10 @@ def find_fake_gcs_server() -> Path:
     )
 
 
+# Talk to 127.0.0.1 directly even when HTTP(S)_PROXY is set.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -241,7 +245,7 @@ class GCSEmulator:
                     f"log tail:\n{self._log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with _DIRECT.open(url, timeout=1.0) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -311,7 +315,7 @@ class GCSEmulator:
         req = urllib.request.Request(f"{self.endpoint}{path}", data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with _DIRECT.open(req, timeout=30) as resp:
             raw = resp.read()
         return json.loads(raw) if raw.strip() else {}
 
