@@ -424,6 +424,24 @@ def test_config_validation() -> None:
         GCSStore("b", GCSConfig(credentials_file="x.json"), credentials=object())  # type: ignore[arg-type]
 
 
+def test_no_credentials_anywhere_is_access_denied(monkeypatch: pytest.MonkeyPatch) -> None:
+    import google.auth
+
+    def no_adc(*args, **kwargs):
+        raise auth_exceptions.DefaultCredentialsError("no ADC")
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setattr(google.auth, "default", no_adc)
+    with pytest.raises(AccessDeniedError, match="application-default login") as info:
+        GCSStore("some-bucket").check_bucket()
+    assert isinstance(info.value.__cause__, auth_exceptions.DefaultCredentialsError)
+    # An explicit endpoint without credentials falls back to anonymous access (emulators).
+    store = GCSStore("some-bucket", GCSConfig(endpoint="https://storage.example.internal"))
+    from google.auth.credentials import AnonymousCredentials
+
+    assert isinstance(store._resolve_credentials()[0], AnonymousCredentials)
+
+
 def test_missing_credentials_file(tmp_path) -> None:
     store = GCSStore("b", GCSConfig(credentials_file=str(tmp_path / "absent.json")))
     with pytest.raises(ConfigError, match="absent.json"):
