@@ -371,6 +371,21 @@ def _body(data: Buffer) -> Any:
     return _BufferReader(_byte_view(view))
 
 
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def _shared_loader() -> Any:
+    """One botocore data loader per process (its model cache makes clients cheap)."""
+    global _loader
+    with _loader_lock:
+        if _loader is None:
+            from botocore.loaders import create_loader
+
+            _loader = create_loader()
+        return _loader
+
+
 def _crc_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
 
@@ -462,7 +477,7 @@ class S3Store:
         )
 
     def _make_client(self) -> Any:
-        import boto3
+        import botocore.session
         from botocore.config import Config
 
         s3_options: dict[str, Any] = {}
@@ -478,10 +493,16 @@ class S3Store:
             # single-PUT throughput; we send CRC32C ourselves where we have it.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            user_agent_extra="dcp_cloud",
             s3=s3_options or None,
         )
-        session = boto3.session.Session(profile_name=self.config.profile, region_name=self.config.region)
-        return session.client("s3", endpoint_url=self.config.endpoint_url, config=boto_config)
+        session = botocore.session.Session(profile=self.config.profile)
+        # Parsed service models are shared: a fresh loader costs ~50 ms per client.
+        session.register_component("data_loader", _shared_loader())
+        # botocore reads AWS_DEFAULT_REGION and the profile but not AWS_REGION,
+        # which the other AWS SDKs give precedence; honour it the same way.
+        region = self.config.region or os.environ.get("AWS_REGION") or None
+        return session.create_client("s3", region_name=region, endpoint_url=self.config.endpoint_url, config=boto_config)
 
     def _client(self) -> Any:
         pid = os.getpid()
