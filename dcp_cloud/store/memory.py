@@ -85,9 +85,12 @@ class MemoryStore:
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         with self._lock:
             items = sorted(
-                ObjectInfo(k, len(v), str(self._versions[k]), self._modified[k])
-                for k, v in self._objects.items()
-                if k.startswith(prefix)
+                (
+                    ObjectInfo(k, len(v), str(self._versions[k]), self._modified[k])
+                    for k, v in self._objects.items()
+                    if k.startswith(prefix)
+                ),
+                key=lambda info: info.key,  # ObjectInfo has no order
             )
         yield from items
 
