@@ -546,6 +546,49 @@ def test_emulator_process_is_gone_after_stop() -> None:
     emulator.stop()  # idempotent
 
 
+def test_emulator_dies_with_the_process_that_started_it(tmp_path) -> None:
+    """PR_SET_PDEATHSIG: a test process killed with SIGKILL takes its server along."""
+    import dcp_cloud.testing.gcs_emulator as module
+
+    code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('standalone_emulator', {module.__file__!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "emu = mod.GCSEmulator().start()\n"
+        "print(emu.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        server_pid = int(parent.stdout.readline())
+        assert _alive(server_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(server_pid)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def test_emulator_keeps_answering_after_many_requests(gcs_store: GCSStore) -> None:
+    # The wrapper's unread stderr pipe stalled the server after ~380 requests.
+    for i in range(500):
+        with pytest.raises(ObjectNotFoundError):
+            gcs_store.head(f"missing-{i}")
+
+
 def test_emulator_reset_and_restart() -> None:
     with GCSEmulator() as emulator:
         emulator.create_bucket("b1")
