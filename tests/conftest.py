@@ -1,0 +1,150 @@
+"""Shared fixtures: ``backend``, one object-store backend (S3 on moto, GCS on fake-gcs-server) per param.
+
+Servers are session-scoped (the ``dcp_cloud`` pytest plugin starts them once);
+every test gets a fresh bucket. The helpers that move or inspect objects
+(``download``, ``upload``, ``keys``, ``delete``, ``put``) use the plain SDKs
+(boto3 / google-cloud-storage), never dcp_cloud code, so they can check it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcp_cloud import GCSReader, GCSWriter, S3Reader, S3Writer
+
+HAVE_GCS = importlib.util.find_spec("dcp_cloud.testing.gcs_fixtures") is not None
+BACKENDS = ["s3", "gcs"] if HAVE_GCS else ["s3"]
+
+
+def _split(uri: str) -> tuple[str, str]:
+    """``scheme://bucket/prefix`` -> (bucket, prefix without trailing slash)."""
+    rest = uri.split("://", 1)[1]
+    bucket, _, prefix = rest.partition("/")
+    return bucket, prefix.strip("/")
+
+
+@dataclass
+class Backend:
+    """One object store a test runs against, and plain-SDK helpers to look at it."""
+
+    name: str
+    scheme: str
+    bucket: str
+    #: Environment a spawned process needs to reach the same server.
+    child_env: dict[str, str]
+    _sdk: Any = field(repr=False)
+
+    def uri(self, prefix: str = "ckpt") -> str:
+        return f"{self.scheme}://{self.bucket}/{prefix.strip('/')}"
+
+    def writer(self, uri: str, **kw: Any) -> S3Writer | GCSWriter:
+        return (S3Writer if self.name == "s3" else GCSWriter)(uri, **kw)
+
+    def reader(self, uri: str, **kw: Any) -> S3Reader | GCSReader:
+        return (S3Reader if self.name == "s3" else GCSReader)(uri, **kw)
+
+    # -- plain-SDK helpers ---------------------------------------------------
+    def keys(self, uri: str) -> list[str]:
+        """Sorted names of every object under ``uri`` (relative to it)."""
+        bucket, prefix = _split(uri)
+        return sorted(k[len(prefix) + 1 :] for k in self._sdk.list(bucket, prefix + "/"))
+
+    def put(self, uri: str, name: str, data: bytes) -> None:
+        bucket, prefix = _split(uri)
+        self._sdk.put(bucket, f"{prefix}/{name}", data)
+
+    def get(self, uri: str, name: str) -> bytes:
+        bucket, prefix = _split(uri)
+        return self._sdk.get(bucket, f"{prefix}/{name}")
+
+    def delete(self, uri: str, name: str) -> None:
+        bucket, prefix = _split(uri)
+        self._sdk.delete(bucket, f"{prefix}/{name}")
+
+    def download(self, uri: str, local_dir: str | os.PathLike[str]) -> list[str]:
+        """Copy every object under ``uri`` into ``local_dir`` (same relative names)."""
+        names = self.keys(uri)
+        for name in names:
+            path = Path(local_dir, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self.get(uri, name))
+        return names
+
+    def upload(self, local_dir: str | os.PathLike[str], uri: str) -> list[str]:
+        """Copy every file under ``local_dir`` to ``uri`` (same relative names)."""
+        root = Path(local_dir)
+        names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        for name in names:
+            self.put(uri, name, (root / name).read_bytes())
+        return names
+
+
+class _Boto3:
+    def __init__(self, endpoint_url: str) -> None:
+        import boto3
+
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+    def list(self, bucket: str, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.client.delete_object(Bucket=bucket, Key=key)
+
+
+class _GCSClient:
+    def __init__(self, endpoint: str, project: str) -> None:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        self.client = storage.Client(
+            project=project, credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint}
+        )
+
+    def list(self, bucket: str, prefix: str) -> list[str]:
+        return [b.name for b in self.client.list_blobs(bucket, prefix=prefix)]
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self.client.bucket(bucket).blob(key).upload_from_string(data)
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self.client.bucket(bucket).blob(key).download_as_bytes()
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.client.bucket(bucket).blob(key).delete()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """A fresh bucket on one backend ("s3": moto server, "gcs": fake-gcs-server), env pointed at it."""
+    if request.param == "s3":
+        from dcp_cloud.testing.moto_server import moto_env
+
+        server = request.getfixturevalue("moto_server")
+        bucket = request.getfixturevalue("s3_bucket")  # also sets this process's AWS_* env
+        env = moto_env(server)
+        env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+        return Backend("s3", "s3", bucket, env, _Boto3(server.endpoint_url))
+    emulator = request.getfixturevalue("gcs_emulator")
+    env = dict(request.getfixturevalue("gcs_env"))  # sets STORAGE_EMULATOR_HOST in this process
+    bucket = request.getfixturevalue("gcs_bucket")
+    return Backend("gcs", "gs", bucket, env, _GCSClient(emulator.endpoint, env["GOOGLE_CLOUD_PROJECT"]))
