@@ -81,7 +81,8 @@ def find_fake_gcs_server() -> Path:
             platform.machine().lower(), platform.machine().lower()
         )
         suffix = ".exe" if system == "windows" else ""
-        path = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{system}-{arch}{suffix}"
+        bin_dir = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin"
+        path = bin_dir / f"fake-gcs-server-{system}-{arch}{suffix}"
         if path.is_file():
             return path
     found = shutil.which("fake-gcs-server")
