@@ -30,6 +30,7 @@ from .errors import (
     StoreError,
     TransientStoreError,
 )
+from .maintenance import CheckpointInfo, GCReport, VerifyReport, gc, list_checkpoints, verify
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
@@ -40,6 +41,7 @@ __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointInfo",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CloudReader",
@@ -47,6 +49,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DcpCloudError",
+    "GCReport",
     "GCSReader",
     "GCSWriter",
     "InvalidURIError",
@@ -61,7 +64,11 @@ __all__ = [
     "TransferConfig",
     "TransferStats",
     "TransientStoreError",
+    "VerifyReport",
+    "gc",
+    "list_checkpoints",
     "load",
     "save",
     "typed_errors",
+    "verify",
 ]
