@@ -339,6 +339,75 @@ def test_checksums_can_be_turned_off(gcs_emulator: GCSEmulator, gcs_env, gcs_buc
     assert "crc32c" not in seen[0]
 
 
+# -- one attempt per call -------------------------------------------------------------------------
+
+
+def _spy_requests(store: GCSStore, monkeypatch: pytest.MonkeyPatch, fail_when=None) -> list[tuple[str, str]]:
+    """Record every request of the store's client; answer 503 to those ``fail_when(method, url)`` picks."""
+    session = store._client_()._http
+    real = session.request
+    log: list[tuple[str, str]] = []
+
+    def spy(method, url, *args, **kwargs):
+        log.append((method, url))
+        if fail_when is not None and fail_when(method, url):
+            response = requests.Response()
+            response.status_code = 503
+            response.reason = "Service Unavailable"
+            response.url = url
+            response.request = requests.Request(method, url).prepare()
+            response.headers["Content-Type"] = "application/json"
+            response._content = b'{"error": {"code": 503, "message": "backend error"}}'
+            return response
+        return real(method, url, *args, **kwargs)
+
+    monkeypatch.setattr(session, "request", spy)
+    return log
+
+
+def test_each_call_is_one_request(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    gcs_store.put("k", b"0123456789")
+    log = _spy_requests(gcs_store, monkeypatch)
+    calls = [
+        lambda: gcs_store.put("k2", b"x", create_only=True),
+        lambda: gcs_store.get("k"),
+        lambda: gcs_store.head("k"),
+        lambda: gcs_store.read_into("k", 2, [memoryview(bytearray(3)), memoryview(bytearray(4))]),
+        lambda: list(gcs_store.list("")),
+        lambda: gcs_store.create_multipart("m"),
+        gcs_store.check_bucket,
+    ]
+    for call in calls:
+        log.clear()
+        call()
+        time.sleep(0.05)  # nothing may follow on background threads either
+        assert len(log) == 1, log
+
+
+def test_no_library_retries(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    gcs_store.put("k", b"0123456789")
+    upload_id, parts = upload_parts(gcs_store, "m", b"abcdef", 2)
+    def targeted(method: str, url: str) -> bool:
+        return "/compose" in url or "/upload/" in url or "/o/k" in url
+
+    log = _spy_requests(gcs_store, monkeypatch, fail_when=targeted)
+    calls = [
+        lambda: gcs_store.put("k", b"y"),
+        lambda: gcs_store.put("k", b"y" * (9 * 1024 * 1024)),  # resumable: fails at initiation
+        lambda: gcs_store.get("k"),
+        lambda: gcs_store.head("k"),
+        lambda: gcs_store.read_into("k", 0, [memoryview(bytearray(3))]),
+        lambda: gcs_store.complete_multipart("m", upload_id, parts),
+    ]
+    for call in calls:
+        log.clear()
+        with pytest.raises(TransientStoreError) as info:
+            call()
+        assert info.value.__cause__ is not None
+        assert sum(1 for method, url in log if targeted(method, url)) == 1, log
+    assert gcs_store.list_multipart("m")  # the transient failure kept the parts for a retry
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

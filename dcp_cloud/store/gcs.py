@@ -519,6 +519,13 @@ class GCSStore:
         credentials, project = self._resolve_credentials()
         options = ClientOptions(api_endpoint=self.config.endpoint) if self.config.endpoint else None
         client = storage.Client(project=project, credentials=credentials, client_options=options)
+        # google-cloud-storage >= 3.5 fetches bucket metadata (GET /b/<bucket>, with
+        # the library's retries) on background threads to label trace spans, and
+        # probes the bucket again after 404s. Those requests are not ours to make:
+        # every call of this store is one request. Switched off per client (the
+        # library itself treats a missing/None cache as disabled).
+        if getattr(client, "_bucket_metadata_cache", None) is not None:
+            client._bucket_metadata_cache = None
         session = client._http  # the requests session the client sends everything through
         for prefix in ("https://", "http://"):
             if type(session.adapters.get(prefix)) is requests.adapters.HTTPAdapter:
