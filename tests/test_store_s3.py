@@ -439,12 +439,17 @@ class FakeS3:
     def __init__(self) -> None:
         outer = self
         self.respond: Callable[[BaseHTTPRequestHandler], None] = lambda h: h.send_error(500)
+        #: (client address, request line) of every request, to see connections being reused.
+        self.requests: list[tuple[Any, str]] = []
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive unless a response says otherwise
+
             def log_message(self, *args: Any) -> None:
                 pass
 
             def _any(self) -> None:
+                outer.requests.append((self.client_address, self.requestline))
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
@@ -477,18 +482,20 @@ def fake_s3(s3_env: dict[str, str]) -> Iterator[FakeS3]:
 
 
 def _ranged(body: bytes, *, status: int = 206, content_range: str | None, length: int | None = None,
-            delay_body: float = 0.0) -> Callable[[BaseHTTPRequestHandler], None]:
+            delay_body: float = 0.0, keep_alive: bool = False) -> Callable[[BaseHTTPRequestHandler], None]:
     def respond(h: BaseHTTPRequestHandler) -> None:
         h.send_response(status)
         if content_range:
             h.send_header("Content-Range", content_range)
         h.send_header("Content-Length", str(len(body) if length is None else length))
+        if not keep_alive:
+            h.send_header("Connection", "close")
         h.end_headers()
         if delay_body:
             time.sleep(delay_body)
         h.wfile.write(body)
         h.wfile.flush()
-        h.close_connection = True
+        h.close_connection = not keep_alive
 
     return respond
 
@@ -509,6 +516,28 @@ def test_short_body_is_transient(fake_s3: FakeS3) -> None:
     fake_s3.respond = _ranged(b"x" * 50, content_range="bytes 0-99/1000", length=100)
     with pytest.raises(TransientStoreError, match="ended early"):
         fake_s3.store().read_into("k", 0, [memoryview(bytearray(100))])
+
+
+def test_connection_is_reused_after_a_complete_read(fake_s3: FakeS3) -> None:
+    fake_s3.respond = _ranged(b"0123456789", content_range="bytes 0-9/100", keep_alive=True)
+    store = fake_s3.store()
+    for _ in range(3):
+        out = bytearray(10)
+        store.read_into("k", 0, [memoryview(out[:4]), memoryview(out)[4:]])
+        assert out[4:] == b"456789"
+    assert len(fake_s3.requests) == 3
+    assert len({addr for addr, _ in fake_s3.requests}) == 1  # one TCP connection for all three
+
+
+def test_connection_is_dropped_after_an_unfinished_read(fake_s3: FakeS3) -> None:
+    # The server sends more than asked for (it ignored Range): the rest must not poison the next request.
+    fake_s3.respond = _ranged(bytes(range(100)), status=200, content_range=None, keep_alive=True)
+    store = fake_s3.store()
+    for _ in range(2):
+        out = bytearray(10)
+        store.read_into("k", 5, [memoryview(out)])
+        assert out == bytes(range(5, 15))
+    assert len({addr for addr, _ in fake_s3.requests}) == 2
 
 
 def test_object_shorter_than_range_is_corrupt(fake_s3: FakeS3) -> None:

@@ -78,7 +78,10 @@ _AT_FDCWD = -100
 
 
 def _byte_view(buf: Buffer) -> memoryview:
+    """``buf`` as a flat byte view (copied only if it is not contiguous)."""
     view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view

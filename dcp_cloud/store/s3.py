@@ -219,7 +219,8 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
         code = str(error.get("Code") or "")
         meta = response.get("ResponseMetadata") or {}
         status = meta.get("HTTPStatusCode")
-        status = int(status) if isinstance(status, int) or str(status).isdigit() else None
+        if status is None and code.isdigit():  # HEAD errors carry the status as their code
+            status = int(code)
         request_id = meta.get("RequestId") or ""
         detail = f"S3 error {code or '?'}, HTTP {status if status is not None else '?'}"
         if request_id:
@@ -235,7 +236,8 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
                 "the system clock is off; sync it (NTP)"
                 if code == "RequestTimeTooSkewed"
                 else "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE, "
-                f"and that the identity may {action} in bucket {bucket!r}"
+                f"and that the identity may {action} in bucket {bucket!r} (S3 also answers 403 for a "
+                "missing key when the identity may not list the bucket)"
             )
             return AccessDeniedError(f"access denied to {where} ({detail}): {hint}")
         if code == "NoSuchKey" or (status == 404 and code in ("", "404", "NotFound")):
@@ -361,14 +363,19 @@ def _byte_view(buf: Any) -> memoryview:
     return view
 
 
-def _body(data: Buffer) -> Any:
-    """What to hand boto3 as a body: bytes/bytearray as they are, views wrapped without a copy."""
+def _payload(data: Buffer) -> bytes | bytearray | memoryview:
+    """``data`` as bytes/bytearray or a flat byte view (copied only if not contiguous)."""
     if isinstance(data, (bytes, bytearray)):
         return data
     view = memoryview(data)
     if not view.c_contiguous:
         return view.tobytes()
-    return _BufferReader(_byte_view(view))
+    return _byte_view(view)
+
+
+def _body(payload: bytes | bytearray | memoryview) -> Any:
+    """What to hand boto3 as a body: bytes/bytearray as they are, views wrapped without a copy."""
+    return _BufferReader(payload) if isinstance(payload, memoryview) else payload
 
 
 _loader_lock = threading.Lock()
@@ -553,8 +560,9 @@ class S3Store:
             raise self._fail(exc, None, "use the bucket") from exc
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
-        size = _byte_view(data).nbytes if not isinstance(data, (bytes, bytearray)) else len(data)
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(data), "ContentLength": size}
+        payload = _payload(data)
+        size = len(payload)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(payload), "ContentLength": size}
         kwargs.update(self._checksum_args(crc32c))
         if create_only:
             kwargs["IfNoneMatch"] = "*"
@@ -713,10 +721,11 @@ class S3Store:
     def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
         if not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"part number {number} of {self.url(key)} is outside 1..{self.limits.max_parts}")
-        size = _byte_view(data).nbytes if not isinstance(data, (bytes, bytearray)) else len(data)
+        payload = _payload(data)
+        size = len(payload)
         if self.config.transport_checksums and crc32c is None:
             # The upload was declared CRC32C, so every part must carry one.
-            crc32c = _crc32c.crc32c(data)
+            crc32c = _crc32c.crc32c(payload)
         checksum = self._checksum_args(crc32c)
         try:
             response = self._client().upload_part(
@@ -724,7 +733,7 @@ class S3Store:
                 Key=key,
                 UploadId=upload_id,
                 PartNumber=number,
-                Body=_body(data),
+                Body=_body(payload),
                 ContentLength=size,
                 **checksum,
             )

@@ -84,7 +84,7 @@ class ObjectStoreConformance:
         assert store.head("empty").size == 0
         store.read_into("empty", 0, [memoryview(bytearray(0))])
 
-    @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview-slice", "memoryview-int32"])
+    @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview-slice", "memoryview-int32", "memoryview-strided"])
     def test_put_buffer_types(self, store: ObjectStore, kind: str) -> None:
         raw = _blob(8192, 2)
         if kind == "bytes":
@@ -93,8 +93,10 @@ class ObjectStoreConformance:
             data, expected = bytearray(raw), raw
         elif kind == "memoryview-slice":
             data, expected = memoryview(raw)[100:5100], raw[100:5100]
-        else:
+        elif kind == "memoryview-int32":
             data, expected = memoryview(bytearray(raw)).cast("i"), raw
+        else:
+            data, expected = memoryview(raw)[::2], raw[::2]
         info = store.put("buf", data)
         assert info.size == len(expected)
         assert store.get("buf") == expected
