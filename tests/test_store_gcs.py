@@ -142,6 +142,11 @@ def test_read_into_scatters(gcs_store: GCSStore) -> None:
     floats = memoryview(bytearray(16)).cast("f")  # any contiguous format is read as bytes
     gcs_store.read_into("obj", 1000, [floats])
     assert floats.tobytes() == data[1000:1016]
+    target = bytearray(8)  # strided 1-D byte targets are filled through slice assignment
+    gcs_store.read_into("obj", 0, [memoryview(target)[::2], memoryview(target)[1::2]])
+    assert bytes(target) == bytes(data[i] for i in (0, 4, 1, 5, 2, 6, 3, 7))
+    gcs_store.put("strided", memoryview(data)[::3])  # a strided source is copied into order
+    assert gcs_store.get("strided") == data[::3]
 
 
 def test_read_into_past_the_end(gcs_store: GCSStore) -> None:

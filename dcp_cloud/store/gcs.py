@@ -319,11 +319,21 @@ def _translate(exc: BaseException, bucket: str, key: str | None, *, missing: str
 # --------------------------------------------------------------------------- buffers
 
 
-def _byte_view(data: Buffer) -> memoryview:
+def _byte_view(data: Buffer, *, writable: bool = False) -> memoryview:
+    """A flat unsigned-byte view of ``data``.
+
+    A non-contiguous source (e.g. ``view[::2]``) is copied into C order; a
+    non-contiguous *target* is kept as is when it already is 1-D bytes (slice
+    assignment handles strides) and refused otherwise.
+    """
     view = memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
+    if view.format == "B" and view.ndim == 1 and (view.c_contiguous or writable):
+        return view
+    if view.c_contiguous:
+        return view.cast("B")
+    if writable:
+        raise StoreError("read_into needs contiguous (or 1-D byte) memoryviews as targets")
+    return memoryview(view.tobytes())
 
 
 class _BufferReader:
@@ -362,7 +372,7 @@ class _ScatterWriter:
     """A write-only file whose writes fill ``outs[0]``, then ``outs[1]``, ... in order."""
 
     def __init__(self, outs: Sequence[memoryview]) -> None:
-        self._outs = [v for v in (_byte_view(o) for o in outs) if len(v)]
+        self._outs = [v for v in (_byte_view(o, writable=True) for o in outs) if len(v)]
         self._index = 0
         self._offset = 0
         self.written = 0
