@@ -23,9 +23,22 @@ connection pool is sized for ``max_connections`` concurrent threads.
 One attempt per call
 --------------------
 Every request is made with the library's retries disabled (``retry=None``,
-resumable uploads included); failures are translated by the single function
-:func:`_translate` into :mod:`dcp_cloud.errors` types, and retried, if at all,
-by :mod:`dcp_cloud.store.retry`.
+resumable uploads included) and the client's background bucket-metadata
+fetches (google-cloud-storage >= 3.5, for trace labels) switched off, so a call
+is one request (a resumable upload: initiation + one PUT; ``complete_multipart``
+and ``delete``: one request per object touched). Failures are translated by the
+single function :func:`_translate` into :mod:`dcp_cloud.errors` types and
+retried, if at all, by :mod:`dcp_cloud.store.retry`. GCS answers 404 alike for
+a missing object and a missing bucket, so the first object 404 of a store is
+followed by one listing of the bucket to tell BucketNotFoundError from
+ObjectNotFoundError (a bucket seen once is not probed again).
+
+Reads
+-----
+:meth:`GCSStore.read_into` is one ranged GET (``bytes=start-end``, raw: never
+decompressed) whose body is written straight into the caller's buffers in
+order. A short body raises TransientStoreError unless the object is shorter
+than the range (then, like a 416, CorruptCheckpointError).
 
 Uploads
 -------
@@ -83,17 +96,19 @@ temporaries (and bill them) for the retention period.
 
 Limits: no minimum part size (``compose`` takes objects of any size), at most
 5 TiB per part and per object, and 10,000 parts per upload (as S3; composing
-them takes 323 ``compose`` calls in three levels).
+them takes 324 ``compose`` calls in three levels).
 
 What fake-gcs-server (v1.54) exercises: simple and resumable uploads, ranged
 downloads (416 past the end, short 206 bodies at the end), compose (32-source
 limit), listing, deletes, ``ifGenerationMatch=0`` on simple uploads. What it
 does not: it ignores the CRC32C sent with uploads, ``ifGenerationMatch`` on
-resumable uploads and on compose, ``ifSourceGenerationMatch``, ``fields``,
-does not implement the batch endpoint (so deletes are individual requests,
-issued in parallel), and answers 500 instead of 404 when a compose source is
-missing. Real-GCS-only behaviour (server-side CRC32C rejection, atomic
-create-only compose, 403s) is therefore not covered by the emulator tests.
+resumable uploads and on compose, and ``ifSourceGenerationMatch``; it does not
+implement the JSON batch endpoint (so deletes are individual requests, issued
+in parallel); it answers 500 instead of 404 when a compose source is missing
+(complete's listing catches missing parts before composing); and it has no
+IAM, so 401/403 never occur. Real-GCS-only behaviour (server-side CRC32C
+rejection, atomic create-only resumable upload and compose, access errors) is
+therefore covered only by unit tests of the translation, not end to end.
 """
 
 from __future__ import annotations
