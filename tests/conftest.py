@@ -148,3 +148,36 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     env = dict(request.getfixturevalue("gcs_env"))  # sets STORAGE_EMULATOR_HOST in this process
     bucket = request.getfixturevalue("gcs_bucket")
     return Backend("gcs", "gs", bucket, env, _GCSClient(emulator.endpoint, env["GOOGLE_CLOUD_PROJECT"]))
+
+
+def _bits(t: Any) -> bytes:
+    """The exact bytes of a tensor's elements (row-major), whatever its strides or storage."""
+    return bytes(t.detach().cpu().contiguous().clone().untyped_storage())
+
+
+def assert_same_state(actual: Any, expected: Any, path: str = "") -> None:
+    """Recursive equality where tensors must match in dtype, shape and every bit."""
+    import torch
+
+    where = path or "<root>"
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} is not a tensor"
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        assert _bits(actual) == _bits(expected), f"{where}: tensor bits differ"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{path}.{key}" if path else str(key))
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_state(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+@pytest.fixture
+def assert_same() -> Any:
+    """``assert_same(actual, expected)``: nested state equality, tensors bit for bit."""
+    return assert_same_state
