@@ -417,13 +417,20 @@ class LocalStore:
                 os.close(fd)
                 os.unlink(tmp)
                 raise
-            mtime = self._finish_tmp(fd)
-            os.replace(tmp, directory / f"part-{number:05d}")
+            self._finish_tmp(fd)
+            # Each upload of a part gets its own file, named by its token, so a
+            # PartInfo designates exactly the bytes it was returned for.
+            token = f"{time.time_ns():020d}{uuid.uuid4().hex[:12]}"
+            os.replace(tmp, directory / f"part-{number:05d}-{token}")
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and self._manifest(upload_id) is None:
                 raise StoreError(f"multipart upload {upload_id!r} of {self.url(key)} was aborted") from exc
             raise self._error(exc, key, f"upload part {number} of") from exc
-        return PartInfo(number, f"{mtime}:{len(view)}", len(view))
+        # An earlier upload of the same number stays on disk until the upload
+        # is completed or aborted (deleting it here could race a concurrent
+        # re-upload); tokens sort by upload time, and completion accepts only
+        # the latest upload of each number, as S3 does.
+        return PartInfo(number, token, len(view))
 
     def complete_multipart(
         self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
@@ -432,13 +439,20 @@ class LocalStore:
         final = self._path(key)
         sources = []
         for i, part in enumerate(parts):
-            path = directory / f"part-{part.number:05d}"
+            if not part.token.isalnum():
+                raise StoreError(f"part {part.number} of {self.url(key)} has a token this store never issued")
+            uploaded = sorted(p.name for p in directory.glob(f"part-{part.number:05d}-*"))
+            path = directory / f"part-{part.number:05d}-{part.token}"
+            if not uploaded or path.name not in uploaded:
+                raise StoreError(f"part {part.number} of {self.url(key)} was never uploaded")
+            if uploaded[-1] != path.name:
+                raise StoreError(f"part {part.number} of {self.url(key)} was replaced after this PartInfo was made")
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise StoreError(f"part {part.number} of {self.url(key)} was never uploaded") from None
-            if part.token != f"{st.st_mtime_ns}:{st.st_size}":
-                raise StoreError(f"part {part.number} of {self.url(key)} was replaced after this PartInfo was made")
+                raise StoreError(f"part {part.number} of {self.url(key)} vanished (upload aborted?)") from None
+            if st.st_size != part.size:
+                raise StoreError(f"part {part.number} of {self.url(key)} has {st.st_size} bytes, not {part.size}")
             if i < len(parts) - 1 and st.st_size < self.limits.min_part_size:
                 raise StoreError(f"part {part.number} of {self.url(key)} is smaller than the store minimum")
             sources.append(path)
