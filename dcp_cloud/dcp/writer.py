@@ -60,6 +60,8 @@ class _ItemTap(io.RawIOBase):
         self._ptr = tensor.data_ptr() if tensor is not None else 0
         self._nbytes = tensor.nbytes if tensor is not None else -1
         self._hasher = hasher
+        #: The first error the object stream raised (torch.save hides it, see _write_item).
+        self.error: BaseException | None = None
 
     def writable(self) -> bool:
         return True
@@ -74,7 +76,12 @@ class _ItemTap(io.RawIOBase):
             self.raw_offset = self.sink.tell() - self.start
             if self._hasher is not None:
                 self._hasher.update(mv)
-        self.sink.write(mv)
+        try:
+            self.sink.write(mv)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
         return len(mv)
 
 
@@ -201,7 +208,14 @@ class CloudWriter(CloudBase, StorageWriter):
         else:
             tensor = _host_tensor(data)
             tap = _ItemTap(stream, tensor, hasher)
-            torch.save(tensor, tap)
+            try:
+                torch.save(tensor, tap)
+            except BaseException:
+                # torch's zip writer turns an exception of write() into its own
+                # RuntimeError ("unexpected pos ..."): surface the store's typed error.
+                if tap.error is not None:
+                    raise tap.error
+                raise
             if tap.raw_offset is None and tensor.nbytes == 0:
                 tap.raw_offset = 0  # nothing to read back
             if tap.raw_offset is None:
