@@ -628,3 +628,43 @@ def test_moto_env(moto_server: MotoServer) -> None:
 def test_fixture_store_uses_lowered_part_minimum(s3_store: S3Store, moto_server: MotoServer) -> None:
     assert moto_server.min_part_size == s3_store.limits.min_part_size == 256 * 1024
     assert isinstance(ObjectNotFoundError("x"), DcpCloudError)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just not reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc and PR_SET_PDEATHSIG")
+def test_moto_server_dies_with_a_killed_owner() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import dcp_cloud.testing.moto_server as module
+
+    # The owner loads moto_server.py by path: importing the dcp_cloud package would pull in torch.
+    script = (
+        "import importlib.util, sys, time\n"
+        "spec = importlib.util.spec_from_file_location('moto_server', sys.argv[1])\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "s = mod.MotoServer().start()\nprint(s.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script, module.__file__], stdout=subprocess.PIPE)
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert _alive(server_pid)
+        os.kill(owner.pid, signal.SIGKILL)  # no atexit, no finally: only the kernel can clean up
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server_pid)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

@@ -516,10 +516,7 @@ class S3Store:
         client = self._client_obj
         if client is not None and self._client_pid == pid:
             return client
-        if self._lock_pid != pid:  # forked: the parent's lock may be held forever
-            self._lock = threading.Lock()
-            self._lock_pid = pid
-        with self._lock:
+        with self._process_lock():
             if self._client_obj is None or self._client_pid != pid:
                 try:
                     # The parent's client (if forked) is dropped, not closed:
@@ -530,8 +527,15 @@ class S3Store:
                 self._client_pid = pid
             return self._client_obj
 
+    def _process_lock(self) -> threading.Lock:
+        pid = os.getpid()
+        if self._lock_pid != pid:  # forked: the parent's lock may have been held at the fork
+            self._lock = threading.Lock()
+            self._lock_pid = pid
+        return self._lock
+
     def close(self) -> None:
-        with self._lock:
+        with self._process_lock():
             client, self._client_obj = self._client_obj, None
             same_process = self._client_pid == os.getpid()
             self._client_pid = None
