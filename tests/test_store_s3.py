@@ -323,6 +323,15 @@ def test_transport_checksums_off(s3_bucket: str) -> None:
     assert store.get("mp") == b"xyz"
 
 
+def test_modified_times(s3_store: S3Store) -> None:
+    before = time.time()
+    put = s3_store.put("k", b"x")
+    upload_id = s3_store.create_multipart("m")
+    done = s3_store.complete_multipart("m", upload_id, [s3_store.put_part("m", upload_id, 1, b"y")])
+    for info in (put, done, s3_store.head("k"), *s3_store.list("")):
+        assert info.modified is not None and abs(info.modified - before) < 60
+
+
 def test_delete_in_batches_of_1000(s3_store: S3Store) -> None:
     s3_store.put("keep", b"1")
     s3_store.put("gone-0001", b"2")

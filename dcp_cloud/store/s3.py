@@ -15,6 +15,7 @@ function :func:`_translate` decides which one.
 from __future__ import annotations
 
 import base64
+import email.utils
 import http.client
 import io
 import os
@@ -406,9 +407,14 @@ def _timestamp(value: Any) -> float | None:
     return value.timestamp() if hasattr(value, "timestamp") else None
 
 
-def _epoch(value: Any) -> float | None:
-    """Seconds since the epoch of a boto3 timestamp (a timezone-aware datetime), if present."""
-    return value.timestamp() if value is not None and hasattr(value, "timestamp") else None
+def _server_time(response: dict[str, Any]) -> float | None:
+    """The server's clock when it answered (its Date header): the write time of a PUT/Complete,
+    whose responses carry no Last-Modified (1 s resolution)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    except (TypeError, ValueError):
+        return None
 
 
 class S3Store:
@@ -574,7 +580,7 @@ class S3Store:
             response = self._client().put_object(**kwargs)
         except Exception as exc:
             raise self._fail(exc, key, "write") from exc
-        return ObjectInfo(key, size, _etag(response.get("ETag")))
+        return ObjectInfo(key, size, _etag(response.get("ETag")), _server_time(response))
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         views = [_byte_view(o) for o in outs]
@@ -676,7 +682,7 @@ class S3Store:
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
         return ObjectInfo(
-            key, int(response["ContentLength"]), _etag(response.get("ETag")), _epoch(response.get("LastModified"))
+            key, int(response["ContentLength"]), _etag(response.get("ETag")), _timestamp(response.get("LastModified"))
         )
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -687,7 +693,7 @@ class S3Store:
             for page in pages:
                 for item in page.get("Contents", ()):
                     yield ObjectInfo(
-                        item["Key"], int(item["Size"]), _etag(item.get("ETag")), _epoch(item.get("LastModified"))
+                        item["Key"], int(item["Size"]), _etag(item.get("ETag")), _timestamp(item.get("LastModified"))
                     )
         except DcpCloudError:
             raise
@@ -770,7 +776,7 @@ class S3Store:
             response = self._client().complete_multipart_upload(**kwargs)
         except Exception as exc:
             raise self._fail(exc, key, "complete the upload of") from exc
-        return ObjectInfo(key, sum(p.size for p in parts), _etag(response.get("ETag")))
+        return ObjectInfo(key, sum(p.size for p in parts), _etag(response.get("ETag")), _server_time(response))
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         from botocore.exceptions import ClientError
