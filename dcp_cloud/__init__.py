@@ -31,6 +31,7 @@ from .errors import (
     TransientStoreError,
 )
 from .maintenance import CheckpointInfo, GCReport, VerifyReport, gc, list_checkpoints, verify
+from .planner.save import BalancedSavePlanner, ReplicaMismatchError
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "BalancedSavePlanner",
     "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -57,6 +59,7 @@ __all__ = [
     "LocalWriter",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "ReplicaMismatchError",
     "RetryConfig",
     "S3Reader",
     "S3Writer",
