@@ -97,6 +97,8 @@ class GCReport:
 
     #: The root URI that was collected.
     root: str
+    #: ``scheme://bucket`` the keys below are relative to (see :meth:`url`).
+    location: str
     dry_run: bool
     #: Keys of the multipart uploads aborted (one entry per upload).
     aborted_uploads: tuple[str, ...] = ()
@@ -108,6 +110,10 @@ class GCReport:
     committed_checkpoints: tuple[str, ...] = ()
     #: ``(key or prefix, reason)`` of everything left alone that looked like garbage.
     skipped: tuple[tuple[str, str], ...] = ()
+
+    def url(self, key: str) -> str:
+        """The URL of a key of this report."""
+        return f"{self.location}/{key}"
 
 
 @dataclass(frozen=True)
@@ -452,6 +458,7 @@ class _Collector:
     def report(self) -> GCReport:
         return GCReport(
             root=str(CheckpointURI(self.root.scheme, self.root.bucket, self.root.prefix)),
+            location=f"{self.root.scheme}://{self.root.bucket}",
             dry_run=self.dry_run,
             aborted_uploads=tuple(self.aborted),
             deleted_objects=tuple(self.deleted),
