@@ -425,6 +425,25 @@ def test_wrong_credentials(auth_server: tuple[MotoServer, dict[str, str], str], 
         store.check_bucket()
 
 
+def test_credentials_from_a_named_profile(auth_server: tuple[MotoServer, dict[str, str], str],
+                                          s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    server, env, bucket = auth_server
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        f"[good]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n"
+        f"[bad]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {SECRET}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    S3Store(bucket, S3Config(profile="good")).put("from-profile", b"ok")
+    monkeypatch.setenv("AWS_PROFILE", "good")
+    assert S3Store(bucket).get("from-profile") == b"ok"
+    with pytest.raises(AccessDeniedError):
+        S3Store(bucket, S3Config(profile="bad")).get("from-profile")
+
+
 def test_no_credentials_at_all(s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)

@@ -2,10 +2,18 @@
 
 Credentials come only from the standard AWS chain (``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, SSO, instance and container
-roles). With ``endpoint_url`` and ``region`` left ``None``, boto3 also honours
-``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and ``AWS_REGION`` /
-``AWS_DEFAULT_REGION``, so pointing the store at MinIO, moto or another
-S3-compatible server needs no code change.
+roles). With ``endpoint_url`` and ``region`` left ``None``, boto3 honours
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and ``AWS_DEFAULT_REGION``, and
+the store adds ``AWS_REGION`` (which botocore ignores, but the other AWS SDKs
+read first), so pointing the store at MinIO, moto or another S3-compatible
+server needs no code change.
+
+Transport checksums: the CRC32C of each body is sent as
+``x-amz-checksum-crc32c`` (multipart uploads are declared CRC32C and every
+part carries one), so S3 rejects bytes corrupted in flight. The value is
+computed by us, so botocore needs no ``[crt]`` extra. boto3's own per-request
+checksums are off (``when_required``): they would cost a second pass over
+every body.
 
 Every method makes exactly one attempt (boto3's own retries are off) and
 reports failure with the typed errors of :mod:`dcp_cloud.errors`; the single
