@@ -649,8 +649,23 @@ def test_moto_env(moto_server: MotoServer) -> None:
     assert env["AWS_ENDPOINT_URL"] == moto_server.endpoint_url
     assert env["AWS_REGION"] == "us-east-1"
     assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
-    full = moto_env(moto_server, base={"PATH": "/bin", "AWS_PROFILE": "prod", "AWS_SESSION_TOKEN": "t"})
+    full = moto_env(moto_server, base={"PATH": "/bin", "AWS_PROFILE": "prod", "AWS_SESSION_TOKEN": "t",
+                                       "no_proxy": "corp.example"})
     assert full["PATH"] == "/bin" and "AWS_PROFILE" not in full and "AWS_SESSION_TOKEN" not in full
+    assert full["NO_PROXY"] == full["no_proxy"] == "corp.example,127.0.0.1"
+
+
+def test_moto_server_ignores_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with MotoServer() as server:
+        server.reset()
+        for name, value in moto_env(server).items():
+            monkeypatch.setenv(name, value)
+        moto_client(server).create_bucket(Bucket="via-no-proxy")
+        S3Store("via-no-proxy").put("k", b"direct")
 
 
 def test_fixture_store_uses_lowered_part_minimum(s3_store: S3Store, moto_server: MotoServer) -> None:

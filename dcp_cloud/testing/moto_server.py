@@ -48,6 +48,8 @@ _CONFLICTING_ENV = (
 )
 
 _PR_SET_PDEATHSIG = 1
+#: Talks to the local server directly, whatever HTTP(S)_PROXY says.
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _LOG_TAIL_BYTES = 4000
 
 
@@ -174,7 +176,7 @@ class MotoServer:
 
     def _ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/moto-api/", timeout=2) as resp:
+            with _direct.open(f"http://{self.host}:{self.port}/moto-api/", timeout=1) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -269,7 +271,7 @@ class MotoServer:
     def reset(self) -> None:
         """Forget every bucket, object and upload (``POST /moto-api/reset``)."""
         request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as resp:
+        with _direct.open(request, timeout=30) as resp:
             if resp.status != 200:
                 raise MotoServerError(f"moto reset answered HTTP {resp.status}")
 
@@ -289,10 +291,16 @@ def moto_env(server: MotoServer, base: Mapping[str, str] | None = None) -> dict[
     """Environment variables that point boto3 in a (child) process at ``server``.
 
     Without ``base``: just the variables to set (endpoint, fake credentials,
-    region). With ``base`` (e.g. ``os.environ``): a full environment, a copy of
+    region, ``NO_PROXY`` extended with the server's host). With ``base`` (e.g. ``os.environ``): a full environment, a copy of
     ``base`` with those set and with variables that would override them
     (``AWS_PROFILE``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3``...) removed.
     """
+    source = os.environ if base is None else base
+    no_proxy = ",".join(
+        dict.fromkeys(  # keep the user's entries, add the server's host, drop duplicates
+            p for p in [*(source.get("NO_PROXY") or source.get("no_proxy") or "").split(","), server.host] if p
+        )
+    )
     values = {
         "AWS_ENDPOINT_URL": server.endpoint_url,
         "AWS_ACCESS_KEY_ID": FAKE_ACCESS_KEY_ID,
@@ -300,6 +308,9 @@ def moto_env(server: MotoServer, base: Mapping[str, str] | None = None) -> dict[
         "AWS_REGION": DEFAULT_REGION,
         "AWS_DEFAULT_REGION": DEFAULT_REGION,
         "AWS_EC2_METADATA_DISABLED": "true",
+        # Keep requests to the local server away from any HTTP(S)_PROXY.
+        "NO_PROXY": no_proxy,
+        "no_proxy": no_proxy,
     }
     if base is None:
         return values
