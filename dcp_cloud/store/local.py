@@ -87,6 +87,13 @@ def _byte_view(buf: Buffer) -> memoryview:
     return view
 
 
+def _out_view(out: memoryview) -> memoryview:
+    """A read target as a flat byte view of the same memory (never a copy)."""
+    if not out.c_contiguous or out.readonly:
+        raise ValueError("read_into needs writable, contiguous buffers")
+    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
+
+
 class LocalStore:
     """A directory as an object store. Thread-safe and picklable.
 
@@ -261,7 +268,7 @@ class LocalStore:
         return ObjectInfo(key, len(view), str(mtime), mtime / 1e9)
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
-        views = [_byte_view(o) for o in outs]
+        views = [_out_view(o) for o in outs]
         total = sum(len(v) for v in views)
         if total == 0:
             return

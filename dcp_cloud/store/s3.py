@@ -372,6 +372,13 @@ def _byte_view(buf: Any) -> memoryview:
     return view
 
 
+def _out_view(out: memoryview) -> memoryview:
+    """A read target as a flat byte view of the same memory (never a copy)."""
+    if not out.c_contiguous or out.readonly:
+        raise ValueError("read_into needs writable, contiguous buffers")
+    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
+
+
 def _payload(data: Buffer) -> bytes | bytearray | memoryview:
     """``data`` as bytes/bytearray or a flat byte view (copied only if not contiguous)."""
     if isinstance(data, (bytes, bytearray)):
@@ -591,7 +598,7 @@ class S3Store:
         return ObjectInfo(key, size, _etag(response.get("ETag")), _server_time(response))
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
-        views = [_byte_view(o) for o in outs]
+        views = [_out_view(o) for o in outs]
         total = sum(len(v) for v in views)
         if total == 0:
             return
