@@ -655,17 +655,16 @@ def test_moto_env(moto_server: MotoServer) -> None:
     assert full["NO_PROXY"] == full["no_proxy"] == "corp.example,127.0.0.1"
 
 
-def test_moto_server_ignores_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moto_server_ignores_http_proxy(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
-    with MotoServer() as server:
-        server.reset()
-        for name, value in moto_env(server).items():
-            monkeypatch.setenv(name, value)
-        moto_client(server).create_bucket(Bucket="via-no-proxy")
-        S3Store("via-no-proxy").put("k", b"direct")
+    moto_server.reset()  # the same direct opener that waits for a starting server
+    for name, value in moto_env(moto_server).items():
+        monkeypatch.setenv(name, value)
+    moto_client(moto_server).create_bucket(Bucket="via-no-proxy")
+    S3Store("via-no-proxy").put("k", b"direct")
 
 
 def test_fixture_store_uses_lowered_part_minimum(s3_store: S3Store, moto_server: MotoServer) -> None:
