@@ -44,6 +44,10 @@ _AWS_CONFLICTS = (
 )
 
 
+class DemoUnavailableError(RuntimeError):
+    """Something the demo needs on this machine is missing."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     backend: str = "s3"
@@ -264,9 +268,17 @@ def _server(backend: str) -> Iterator[tuple[str, str]]:
     """An embedded server with one fresh bucket: yields (endpoint, bucket)."""
     bucket = f"dcp-cloud-demo-{uuid.uuid4().hex[:8]}"
     if backend == "s3":
+        import importlib.util
+
         import boto3
 
         from ..testing.moto_server import MotoServer
+
+        if importlib.util.find_spec("moto") is None:
+            raise DemoUnavailableError(
+                "the S3 demo runs an embedded moto server, and moto is not installed; "
+                "install it with: pip install 'moto[server]' (or 'dcp_cloud[testing]')"
+            )
 
         with MotoServer() as server:
             client = boto3.client(
@@ -335,4 +347,4 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "DemoUnavailableError", "run_demo"]

@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # demo infrastructure: ranks, embedded servers
         from ..testing.multirank import RankFailedError
 
-        names = {"MotoServerError", "EmulatorError"}
+        names = {"MotoServerError", "EmulatorError", "DemoUnavailableError"}
         if isinstance(exc, RankFailedError) or type(exc).__name__ in names:
             _error(_short_failure(exc))
             return 1
