@@ -1,0 +1,210 @@
+"""DCP on real gloo process groups: FSDP2 + Adam saved on 4 ranks, loaded on 1 (no group), 2, 3 and 4.
+
+The reference is the full (gathered) state recorded on rank 0 at save time;
+every load gathers what it loaded and must match it bit for bit. Typed errors
+must reach ``except`` on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_cloud.testing.multirank import run_ranks, run_single
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+ROWS = 1001  # rows of the first layer: uneven shards over 2, 3 and 4 ranks
+META = {"epoch": 3, "name": "run-ä", "lrs": [0.1, 0.01], "done": False}
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, ROWS), torch.nn.ReLU(), torch.nn.Linear(ROWS, 6))
+
+
+def _blank_meta() -> dict[str, Any]:
+    """Same keys as META (DCP loads only the keys the target has), other values."""
+    return {"epoch": -1, "name": "", "lrs": [], "done": None}
+
+
+def _extra() -> torch.Tensor:
+    return torch.linspace(-1, 1, 37, dtype=torch.float64)
+
+
+def _sharded(world_size: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _model(seed)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """Gathered model + optimizer state (a collective; the values land on rank 0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _make(kind: str, name: str, uri: str, **kw: Any) -> Any:
+    import dcp_cloud
+
+    cls = {("w", "s3"): dcp_cloud.S3Writer, ("w", "gcs"): dcp_cloud.GCSWriter,
+           ("r", "s3"): dcp_cloud.S3Reader, ("r", "gcs"): dcp_cloud.GCSReader}[(kind, name)]  # fmt: skip
+    return cls(uri, **kw)
+
+
+def _load_sharded(world_size: int, name: str, uri: str) -> dict[str, Any]:
+    """Load into a fresh FSDP2 model + Adam on this group; return the gathered result (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = _sharded(world_size, seed=1234)  # different values than the saved ones
+    model_sd, optim_sd = get_state_dict(model, optim)  # initialises Adam's state to load into
+    state = {"model": model_sd, "optim": optim_sd, "extra": torch.zeros(37, dtype=torch.float64), "meta": _blank_meta()}
+    dcp.load(state, storage_reader=_make("r", name, uri))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full_state(model, optim)
+    full.update(extra=state["extra"], meta=state["meta"])
+    return full
+
+
+def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any] | None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dcp_cloud import CheckpointExistsError
+
+    model, optim = _sharded(world_size, seed=0)
+    torch.manual_seed(100 + rank)  # each rank trains on its own batch
+    for _ in range(2):
+        loss = model(torch.randn(5, 12)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    assert model_sd["0.weight"].to_local().shape[0] == (251 if rank < 3 else 248)  # uneven shards
+    writer = _make("w", name, uri)
+    dcp.save({"model": model_sd, "optim": optim_sd, "extra": _extra(), "meta": dict(META)}, storage_writer=writer)
+    reference = _full_state(model, optim)
+    reference.update(extra=_extra(), meta=dict(META))
+    assert writer.stats.bytes_written > 0
+    loaded = _load_sharded(world_size, name, uri)
+    try:
+        _make("w", name, uri)
+        exists_on_every_rank = False
+    except CheckpointExistsError:
+        exists_on_every_rank = True
+    return {"reference": reference, "loaded": loaded, "exists": exists_on_every_rank} if rank == 0 else None
+
+
+def _load_on_group(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any] | None:
+    loaded = _load_sharded(world_size, name, uri)
+    return loaded if rank == 0 else None
+
+
+def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missing: str, late: str) -> dict[str, Any]:
+    """Load on 2 ranks, then check that typed errors reach ``except`` on every rank."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import dcp_cloud
+    from dcp_cloud import CheckpointExistsError, CheckpointNotFoundError
+
+    loaded = _load_sharded(world_size, name, uri)
+    caught: dict[str, str] = {}
+    state = {"w": torch.zeros(4)}
+
+    def expect(label: str, exc_type: type[BaseException], call: Any) -> None:
+        try:
+            call()
+            caught[label] = "no error"
+        except exc_type as exc:
+            caught[label] = type(exc).__name__
+        except BaseException as exc:  # noqa: BLE001 - report what arrived instead
+            caught[label] = f"wrong: {type(exc).__name__}: {exc}"
+
+    # Loading a checkpoint that does not exist: from the constructor, and from reset().
+    expect("missing-ctor", CheckpointNotFoundError, lambda: dcp.load(state, storage_reader=_make("r", name, missing)))
+    reader = _make("r", name, uri)
+    expect("missing-reset", CheckpointNotFoundError, lambda: dcp.load(state, checkpoint_id=missing, storage_reader=reader))
+    # Saving over an existing checkpoint: from the constructor, and from reset().
+    expect("exists-ctor", CheckpointExistsError, lambda: _make("w", name, uri))
+    writer = _make("w", name, late)
+    expect("exists-reset", CheckpointExistsError, lambda: dcp.save(state, checkpoint_id=uri, storage_writer=writer))
+    # ... and when it was committed by someone else after this save's writers were made:
+    # then the commit itself fails (inside torch's collective) and dcp_cloud.save unwraps it.
+    writer = _make("w", name, late)
+    dist.barrier()
+    if rank == 0:
+        dcp.save({"other": torch.ones(1)}, storage_writer=_make("w", name, late), no_dist=True)
+    dist.barrier()
+    expect("exists-commit", CheckpointExistsError, lambda: dcp_cloud.save(state, storage_writer=writer))
+    return {"loaded": loaded if rank == 0 else None, "caught": caught}
+
+
+def _load_unsharded(name: str, uri: str) -> dict[str, Any]:
+    """Load into a plain model + Adam in a process without any process group."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    assert not dist.is_initialized()
+    model = _model(seed=4321)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd, "extra": torch.zeros(37, dtype=torch.float64), "meta": _blank_meta()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load(state, storage_reader=_make("r", name, uri))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd, "extra": state["extra"], "meta": state["meta"]}
+
+
+def _check(actual: dict[str, Any], reference: dict[str, Any], assert_same: Any) -> None:
+    assert set(actual["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert reference["model"]["0.weight"].shape == (ROWS, 12)
+    assert set(reference["optim"]["state"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert float(reference["optim"]["state"]["0.weight"]["step"]) == 2.0
+    assert_same(actual, reference)
+
+
+def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
+    uri = backend.uri("fsdp/step-2")
+    env = backend.child_env
+    saved = run_ranks(4, _save_then_load_on_4, backend.name, uri, env=env)[0]
+    reference = saved["reference"]
+    assert reference["meta"] == META
+    _check(saved["loaded"], reference, assert_same)
+    assert saved["exists"]
+    shards = [k for k in backend.keys(uri) if k.endswith(".distcp")]
+    assert len(shards) == 4, backend.keys(uri)
+
+    _check(run_single(_load_unsharded, backend.name, uri, env=env), reference, assert_same)
+    _check(run_ranks(3, _load_on_group, backend.name, uri, env=env)[0], reference, assert_same)
+
+    missing, late = backend.uri("fsdp/never-saved"), backend.uri("fsdp/late")
+    out = run_ranks(2, _load_and_errors_on_2, backend.name, uri, missing, late, env=env)
+    _check(out[0]["loaded"], reference, assert_same)
+    expected = {
+        "missing-ctor": "CheckpointNotFoundError",
+        "missing-reset": "CheckpointNotFoundError",
+        "exists-ctor": "CheckpointExistsError",
+        "exists-reset": "CheckpointExistsError",
+        "exists-commit": "CheckpointExistsError",
+    }
+    for rank in range(2):
+        assert out[rank]["caught"] == expected, (rank, out[rank]["caught"])
+    # The losing save left no committed change: the winner's checkpoint is intact.
+    assert len([k for k in backend.keys(late) if k.endswith(".distcp")]) >= 1
