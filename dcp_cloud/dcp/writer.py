@@ -134,6 +134,7 @@ class CloudWriter(CloudBase, StorageWriter):
     def _begin(self) -> None:
         """Check the target before any collective step, so typed errors reach the caller."""
         self.save_id = str(uuid.uuid4())
+        self._set_up = False
         self._recorder.reset()
         self._started = time.perf_counter()
         self._check_bucket()
@@ -149,6 +150,15 @@ class CloudWriter(CloudBase, StorageWriter):
         self._begin()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # Torch calls reset() only when a checkpoint_id is passed, but this on every save:
+        # a writer reused without one starts a new save here (fresh stats and clock), and
+        # every save gets its own save_id (also copies pickled by async_save), which
+        # finish() relies on to recognise its own commit after a retried create-only put.
+        if self._set_up:
+            self._recorder.reset()
+            self._started = time.perf_counter()
+        self._set_up = True
+        self.save_id = str(uuid.uuid4())
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else 0
