@@ -121,6 +121,21 @@ def test_writer_and_reader_reused_across_steps_with_checkpoint_id(backend, asser
         assert ".metadata" in keys and len([k for k in keys if k.endswith(".distcp")]) == 1, keys
 
 
+def test_writer_reused_without_checkpoint_id_starts_a_new_save(backend) -> None:
+    """Torch calls reset() only with a checkpoint_id; each save must still get its own id and stats."""
+    uri = backend.uri("reused")
+    writer = backend.writer(uri, overwrite=True)
+    save_ids, written = [], []
+    for step in range(2):
+        dcp.save({"w": torch.full((300,), float(step))}, storage_writer=writer)
+        save_ids.append(pickle.loads(backend.get(uri, ".metadata")).storage_meta.save_id)
+        shards = [k for k in backend.keys(uri) if k.endswith(".distcp")]
+        assert len(shards) == 1
+        written.append((writer.stats.bytes_written, len(backend.get(uri, shards[0]))))
+    assert save_ids[0] != save_ids[1]  # finish() tells its own commit from an earlier one by this id
+    assert all(stats == size for stats, size in written), written  # not the sum of both saves
+
+
 def test_second_save_without_overwrite_is_refused(backend) -> None:
     uri, other = backend.uri("exists"), backend.uri("other")
     state = {"w": torch.ones(3)}
