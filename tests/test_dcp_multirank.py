@@ -1,5 +1,7 @@
 """DCP on real gloo process groups: FSDP2 + Adam saved on 4 ranks, loaded on 1 (no group), 2, 3 and 4.
 
+The 2-rank group also reshards the row-sharded checkpoint into column shards.
+
 The reference is the full (gathered) state recorded on rank 0 at save time;
 every load gathers what it loaded and must match it bit for bit. Typed errors
 must reach ``except`` on every rank.
@@ -17,12 +19,14 @@ from dcp_cloud.testing.multirank import run_ranks, run_single
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 ROWS = 1001  # rows of the first layer: uneven shards over 2, 3 and 4 ranks
+OUT = 3  # rows of the last layer: on 4 ranks, rank 3 holds an empty shard
+TIMEOUT = 900.0  # per launched group; generous: spawn + torch import dominate on a loaded machine
 META = {"epoch": 3, "name": "run-ä", "lrs": [0.1, 0.01], "done": False}
 
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, ROWS), torch.nn.ReLU(), torch.nn.Linear(ROWS, 6))
+    return torch.nn.Sequential(torch.nn.Linear(12, ROWS), torch.nn.ReLU(), torch.nn.Linear(ROWS, OUT))
 
 
 def _blank_meta() -> dict[str, Any]:
@@ -92,6 +96,7 @@ def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dic
         optim.zero_grad()
     model_sd, optim_sd = get_state_dict(model, optim)
     assert model_sd["0.weight"].to_local().shape[0] == (251 if rank < 3 else 248)  # uneven shards
+    assert model_sd["2.weight"].to_local().shape[0] == (1 if rank < 3 else 0)  # rank 3: empty shard
     writer = _make("w", name, uri)
     dcp.save({"model": model_sd, "optim": optim_sd, "extra": _extra(), "meta": dict(META)}, storage_writer=writer)
     reference = _full_state(model, optim)
@@ -111,6 +116,34 @@ def _load_on_group(rank: int, world_size: int, name: str, uri: str) -> dict[str,
     return loaded if rank == 0 else None
 
 
+def _load_columns(world_size: int, name: str, uri: str) -> dict[str, Any]:
+    """Reshard the row-sharded checkpoint into column shards: strided byte runs of every saved chunk."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_cloud import TransferConfig
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def cols(rows: int, n: int) -> Any:
+        return distribute_tensor(torch.zeros(rows, n), mesh, [Shard(1)])
+
+    state = {
+        "model": {"0.weight": cols(ROWS, 12)},
+        "optim": {"state": {"2.weight": {"exp_avg": cols(OUT, ROWS)}}},
+    }
+    dcp.load(state, storage_reader=_make("r", name, uri))
+    # Small checksum blocks and no coalescing: runs widened to blocks, verified piecewise.
+    fine = {"optim": {"state": {"0.weight": {"exp_avg": cols(ROWS, 12)}}}}
+    dcp.load(fine, storage_reader=_make("r", name, uri, transfer=TransferConfig(checksum_block_size=4096, coalesce_gap=0)))
+    return {
+        "0.weight": state["model"]["0.weight"].full_tensor(),
+        "2.weight.exp_avg": state["optim"]["state"]["2.weight"]["exp_avg"].full_tensor(),
+        "0.weight.exp_avg": fine["optim"]["state"]["0.weight"]["exp_avg"].full_tensor(),
+    }
+
+
 def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missing: str, late: str) -> dict[str, Any]:
     """Load on 2 ranks, then check that typed errors reach ``except`` on every rank."""
     import torch.distributed as dist
@@ -120,6 +153,7 @@ def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missi
     from dcp_cloud import CheckpointExistsError, CheckpointNotFoundError
 
     loaded = _load_sharded(world_size, name, uri)
+    columns = _load_columns(world_size, name, uri)
     caught: dict[str, str] = {}
     state = {"w": torch.zeros(4)}
 
@@ -148,7 +182,7 @@ def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missi
         dcp.save({"other": torch.ones(1)}, storage_writer=_make("w", name, late), no_dist=True)
     dist.barrier()
     expect("exists-commit", CheckpointExistsError, lambda: dcp_cloud.save(state, storage_writer=writer))
-    return {"loaded": loaded if rank == 0 else None, "caught": caught}
+    return {"loaded": loaded if rank == 0 else None, "columns": columns if rank == 0 else None, "caught": caught}
 
 
 def _load_unsharded(name: str, uri: str) -> dict[str, Any]:
@@ -183,7 +217,7 @@ def _check(actual: dict[str, Any], reference: dict[str, Any], assert_same: Any) 
 def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
     uri = backend.uri("fsdp/step-2")
     env = backend.child_env
-    saved = run_ranks(4, _save_then_load_on_4, backend.name, uri, env=env)[0]
+    saved = run_ranks(4, _save_then_load_on_4, backend.name, uri, env=env, timeout=TIMEOUT)[0]
     reference = saved["reference"]
     assert reference["meta"] == META
     _check(saved["loaded"], reference, assert_same)
@@ -191,12 +225,20 @@ def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
     shards = [k for k in backend.keys(uri) if k.endswith(".distcp")]
     assert len(shards) == 4, backend.keys(uri)
 
-    _check(run_single(_load_unsharded, backend.name, uri, env=env), reference, assert_same)
-    _check(run_ranks(3, _load_on_group, backend.name, uri, env=env)[0], reference, assert_same)
+    _check(run_single(_load_unsharded, backend.name, uri, env=env, timeout=TIMEOUT), reference, assert_same)
+    _check(run_ranks(3, _load_on_group, backend.name, uri, env=env, timeout=TIMEOUT)[0], reference, assert_same)
 
     missing, late = backend.uri("fsdp/never-saved"), backend.uri("fsdp/late")
-    out = run_ranks(2, _load_and_errors_on_2, backend.name, uri, missing, late, env=env)
+    out = run_ranks(2, _load_and_errors_on_2, backend.name, uri, missing, late, env=env, timeout=TIMEOUT)
     _check(out[0]["loaded"], reference, assert_same)
+    assert_same(
+        out[0]["columns"],
+        {
+            "0.weight": reference["model"]["0.weight"],
+            "2.weight.exp_avg": reference["optim"]["state"]["2.weight"]["exp_avg"],
+            "0.weight.exp_avg": reference["optim"]["state"]["0.weight"]["exp_avg"],
+        },
+    )
     expected = {
         "missing-ctor": "CheckpointNotFoundError",
         "missing-reset": "CheckpointNotFoundError",
