@@ -274,7 +274,7 @@ def _async_process_save(rank: int, world_size: int, name: str, uri: str) -> None
 def test_async_save_process(backend, assert_same) -> None:
     uri = backend.uri("async-process")
     env = dict(backend.child_env, MASTER_ADDR="127.0.0.1")
-    run_ranks(1, _async_process_save, backend.name, uri, env=env, timeout=300)
+    run_ranks(1, _async_process_save, backend.name, uri, env=env, timeout=900)
     target = {"w": torch.zeros(6, 8), "step": 0}
     dcp.load(target, storage_reader=backend.reader(uri))
     assert_same(target, {"w": torch.arange(48, dtype=torch.float32).reshape(6, 8), "step": 9})
