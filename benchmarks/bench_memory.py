@@ -152,7 +152,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true", help="skip checking loaded values")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per child process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -208,10 +207,11 @@ def render(runs: list[dict[str, Any]], args: argparse.Namespace, shards: list[fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child is not None:
-        C.child_main(args.child, {"save": child_save, "load": child_load})
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # a measurement process; may run in an interpreter without dcp_cloud
+        C.child_main(argv[1], {"save": child_save, "load": child_load})
         return 0
+    args = parse_args(argv)
     shards = [float(x) for x in args.shards_mb.split(",") if x.strip()]
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     bad = [c for c in contenders if c not in CONTENDERS]

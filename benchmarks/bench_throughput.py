@@ -20,6 +20,8 @@ Contenders:
                        straight into the destination tensors), with the same client settings;
 * ``stock_fs_t1/_t4``  torch's FileSystemWriter(thread_count=1/4)/FileSystemReader on local disk;
 * ``dcp_cloud_local``  LocalWriter/LocalReader (file://) on the same local disk;
+* ``dcp_cloud_nozipcrc`` (opt-in) ``dcp_cloud`` with torch.save's per-record zip CRC32 turned
+                       off (``torch.serialization.set_crc32_options(False)``) in the saving process;
 * ``s3torchconnector`` (S3 only, with ``--s3tc-python``) its DCP writer/reader, run by
                        another interpreter (a virtualenv that has s3torchconnector).
 """
@@ -43,8 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
-ALL_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
-CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "s3torchconnector"}
+DEFAULT_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
+ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_nozipcrc")
+CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "dcp_cloud_nozipcrc", "wire", "s3torchconnector"}
 LABELS = {
     "dcp_cloud": "dcp_cloud (checksums on)",
     "dcp_cloud_nocrc": "dcp_cloud (checksums off)",
@@ -52,6 +55,7 @@ LABELS = {
     "stock_fs_t1": "stock FileSystemWriter t=1 (local disk)",
     "stock_fs_t4": "stock FileSystemWriter t=4 (local disk)",
     "dcp_cloud_local": "dcp_cloud LocalWriter (local disk)",
+    "dcp_cloud_nozipcrc": "dcp_cloud, torch.save zip CRC32 off",
     "s3torchconnector": "s3torchconnector DCP (t=4)",
 }
 
@@ -332,7 +336,7 @@ def _dcp_writer(spec: dict[str, Any]) -> Any:
     if c == "dcp_cloud_local":
         return dcp_cloud.LocalWriter("file://" + spec["path"], transfer=_transfer_config(spec))
     cls = dcp_cloud.S3Writer if spec["backend"] == "s3" else dcp_cloud.GCSWriter
-    return cls(spec["uri"], transfer=_transfer_config(spec), checksums=c == "dcp_cloud")
+    return cls(spec["uri"], transfer=_transfer_config(spec), checksums=c != "dcp_cloud_nocrc")
 
 
 def _dcp_reader(spec: dict[str, Any]) -> Any:
@@ -346,7 +350,7 @@ def _dcp_reader(spec: dict[str, Any]) -> Any:
     if c == "dcp_cloud_local":
         return dcp_cloud.LocalReader("file://" + spec["path"], transfer=_transfer_config(spec))
     cls = dcp_cloud.S3Reader if spec["backend"] == "s3" else dcp_cloud.GCSReader
-    return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c == "dcp_cloud"))
+    return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c != "dcp_cloud_nocrc"))
 
 
 def _s3tc_writer(spec: dict[str, Any]) -> Any:
@@ -386,6 +390,8 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _preload(spec)
     sd = C.make_state_dict(spec["size_mb"], spec["tensors"], fill="rand", seed=spec["seed"])
+    if spec["contender"] == "dcp_cloud_nozipcrc":
+        torch.serialization.set_crc32_options(False)
     probe = C.PeakProbe()
     probe.start()
     extra: dict[str, Any] = {}
@@ -443,8 +449,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=32, help="number of equal fp32 tensors (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over all contenders (default 3)")
     p.add_argument(
-        "--contenders", default=",".join(ALL_CONTENDERS),
-        help=f"comma-separated subset of {','.join(ALL_CONTENDERS)} (s3torchconnector is added by --s3tc-python)",
+        "--contenders", default=",".join(DEFAULT_CONTENDERS),
+        help=f"comma-separated subset of {','.join(ALL_CONTENDERS)} (default: all but dcp_cloud_nozipcrc; "
+        "s3torchconnector is added by --s3tc-python)",
     )  # fmt: skip
     p.add_argument("--part-mb", type=float, default=d.part_size / C.MiB, help="TransferConfig.part_size in MiB")
     p.add_argument("--inflight", type=int, default=d.max_inflight_parts, help="TransferConfig.max_inflight_parts")
@@ -457,7 +464,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed small warm-up round")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per child process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -531,24 +537,30 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
                 med = _ratio(summary[a][op]["mib_s_median"], summary[b][op]["mib_s_median"])
                 best = _ratio(summary[a][op]["mib_s_best"], summary[b][op]["mib_s_best"])
                 cells.append(f"{C.fmt(med, 2)} ({C.fmt(best, 2)})")
+            for op in ("save", "load"):
+                cells.append(C.fmt(_ratio(summary[a][op]["cpu_s_median"], summary[b][op]["cpu_s_median"]), 2))
             ratios.append([name, *cells, target])
 
     ratio_row("dcp_cloud / wire", "dcp_cloud", "wire", ">= 0.80")
     ratio_row("dcp_cloud (checksums off) / wire", "dcp_cloud_nocrc", "wire", "")
     ratio_row("checksums on / off", "dcp_cloud", "dcp_cloud_nocrc", ">= 0.95 (checksums cost < 5%)")
+    ratio_row("torch.save zip CRC32 off / on", "dcp_cloud_nozipcrc", "dcp_cloud", "")
     ratio_row("dcp_cloud local / stock t=1", "dcp_cloud_local", "stock_fs_t1", "")
     ratio_row("dcp_cloud / s3torchconnector", "dcp_cloud", "s3torchconnector", "")
     out = head + table
     if ratios:
-        out += "\n\nRatios of throughput, median (best):\n\n" + C.markdown_table(["ratio", "save", "load", "target"], ratios)
+        out += "\n\nRatios, A / B: throughput median (best), and client CPU seconds (median):\n\n" + C.markdown_table(
+            ["ratio A / B", "save MiB/s", "load MiB/s", "save CPU s", "load CPU s", "target (throughput)"], ratios
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child is not None:
-        C.child_main(args.child, {"save": child_save, "load": child_load})
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # a measurement process; may run in an interpreter without dcp_cloud
+        C.child_main(argv[1], {"save": child_save, "load": child_load})
         return 0
+    args = parse_args(argv)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     if unknown:
