@@ -81,7 +81,7 @@ def _load_sharded(world_size: int, name: str, uri: str) -> dict[str, Any]:
     return full
 
 
-def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any] | None:
+def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -105,10 +105,10 @@ def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dic
     loaded = _load_sharded(world_size, name, uri)
     try:
         _make("w", name, uri)
-        exists_on_every_rank = False
-    except CheckpointExistsError:
-        exists_on_every_rank = True
-    return {"reference": reference, "loaded": loaded, "exists": exists_on_every_rank} if rank == 0 else None
+        exists = "no error"
+    except CheckpointExistsError as exc:
+        exists = type(exc).__name__
+    return {"reference": reference, "loaded": loaded, "exists": exists} if rank == 0 else {"exists": exists}
 
 
 def _load_on_group(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any] | None:
@@ -217,11 +217,12 @@ def _check(actual: dict[str, Any], reference: dict[str, Any], assert_same: Any) 
 def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
     uri = backend.uri("fsdp/step-2")
     env = backend.child_env
-    saved = run_ranks(4, _save_then_load_on_4, backend.name, uri, env=env, timeout=TIMEOUT)[0]
+    results = run_ranks(4, _save_then_load_on_4, backend.name, uri, env=env, timeout=TIMEOUT)
+    assert [r["exists"] for r in results] == ["CheckpointExistsError"] * 4  # typed, on every rank
+    saved = results[0]
     reference = saved["reference"]
     assert reference["meta"] == META
     _check(saved["loaded"], reference, assert_same)
-    assert saved["exists"]
     shards = [k for k in backend.keys(uri) if k.endswith(".distcp")]
     assert len(shards) == 4, backend.keys(uri)
 
