@@ -14,10 +14,8 @@ load planner read it (with any world size).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import math
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +59,8 @@ def _key(index: MetadataIndex) -> _Key:
 
 def _nbytes(item: WriteItem) -> int:
     assert item.tensor_data is not None
-    return math.prod(item.tensor_data.size if item.tensor_data.chunk is None else item.tensor_data.chunk.sizes) * (
-        torch._utils._element_size(item.tensor_data.properties.dtype)
-    )
+    td = item.tensor_data
+    return math.prod(td.size if td.chunk is None else td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def _fingerprint(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -188,6 +185,8 @@ def balance_replicated(
             if item.tensor_data is None:
                 continue
             key = _key(item.index)
+            if holders.get(key, [None])[-1] == r:
+                raise ReplicaMismatchError(f"rank {r} lists {item.index.fqn!r} at {list(key[1])} twice")
             first = items.setdefault(key, item)
             if not _same_write(first, item):
                 raise ReplicaMismatchError(
@@ -196,8 +195,6 @@ def balance_replicated(
                     "and dtype on every rank that holds it"
                 )
             holders.setdefault(key, []).append(r)
-            if len(holders[key]) > 1 and holders[key].count(r) > 1:
-                raise ReplicaMismatchError(f"rank {r} lists {item.index.fqn!r} at {list(key[1])} twice")
 
     loads = [0] * n
     whole: list[_Key] = []
@@ -274,17 +271,6 @@ def balance_replicated(
     return out
 
 
-def plan_digest(plans: Sequence[SavePlan]) -> str:
-    """A short digest of which rank writes which chunk (for logs and cross-checks)."""
-    h = hashlib.sha256()
-    for r, plan in enumerate(plans):
-        for item in plan.items:
-            chunk = item.tensor_data.chunk if item.tensor_data is not None else None
-            entry = (r, item.index.fqn, tuple(item.index.offset or ()), tuple(chunk.sizes) if chunk else None)
-            h.update(pickle.dumps(entry))
-    return h.hexdigest()[:16]
-
-
 class BalancedSavePlanner(DefaultSavePlanner):
     """A :class:`~torch.distributed.checkpoint.DefaultSavePlanner` that spreads replicated tensors over their replicas.
 
@@ -347,7 +333,6 @@ class BalancedSavePlanner(DefaultSavePlanner):
         self.min_chunk_bytes = min_chunk_bytes
         self.verify_replicas = verify_replicas
         self._local_chunks: dict[str, ChunkStorageMetadata] = {}
-        self.assignment_digest = ""
 
     # -- every rank -------------------------------------------------------
     def create_local_plan(self) -> SavePlan:
@@ -377,8 +362,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
         """The local tensor behind ``fqn`` if pieces of it can be cut by narrowing dim 0."""
         obj = self.state_dict.get(fqn)
         if isinstance(obj, DTensor):
-            local = obj._local_tensor
-            return obj.to_local() if type(local) is torch.Tensor else None
+            local = obj.to_local()
+            return local if type(local) is torch.Tensor else None
         if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
             return obj
         return None
@@ -409,6 +394,4 @@ class BalancedSavePlanner(DefaultSavePlanner):
             else:  # a rank running another planner: nothing of it is split
                 splittable.append({})
                 stock.append(plan)
-        balanced = balance_replicated(stock, splittable, self.min_chunk_bytes)
-        self.assignment_digest = plan_digest(balanced)
-        return super().create_global_plan(balanced)
+        return super().create_global_plan(balance_replicated(stock, splittable, self.min_chunk_bytes))
