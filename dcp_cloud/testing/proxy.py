@@ -219,7 +219,9 @@ class ProxyStats:
     requests: dict[str, int] = field(default_factory=dict)
     #: Request body bytes received from clients (forwarded or, for request-phase faults, discarded).
     request_bytes: int = 0
-    #: Response body bytes sent to clients (headers not included).
+    #: Response body bytes passed on to clients (headers not included). Bytes
+    #: are counted just before they are sent, so a client holding its answer
+    #: always finds them counted.
     response_bytes: int = 0
     #: Requests and bytes per ``(method, path)``.
     by_path: dict[tuple[str, str], TrafficCount] = field(default_factory=dict)
@@ -378,18 +380,6 @@ class _Upstream:
         _close_soft(self.sock)
 
 
-class _Exchange:
-    """Per-request tallies, added to the shared counters once."""
-
-    __slots__ = ("method", "path", "request_bytes", "response_bytes")
-
-    def __init__(self, method: str, path: str) -> None:
-        self.method = method
-        self.path = path
-        self.request_bytes = 0
-        self.response_bytes = 0
-
-
 class FaultProxy:
     """A threaded HTTP/1.1 reverse proxy on 127.0.0.1 that counts bytes and injects faults.
 
@@ -500,14 +490,25 @@ class FaultProxy:
             self._counters.clear()
         return snap
 
-    def _tally(self, ex: _Exchange) -> None:
+    def _tally(self, method: str, path: str, *, response: bool) -> Callable[[int], None]:
+        """A counter of body bytes in one direction of one request.
+
+        Bytes are counted *before* they are passed on, so a client that has
+        its answer never sees counters that miss part of it.
+        """
         c = self._counters
-        with c.lock:
-            c.request_bytes += ex.request_bytes
-            c.response_bytes += ex.response_bytes
-            entry = c.by_path.setdefault((ex.method, ex.path), [0, 0, 0])
-            entry[1] += ex.request_bytes
-            entry[2] += ex.response_bytes
+        key = (method, path)
+        slot = 2 if response else 1
+
+        def tally(n: int) -> None:
+            with c.lock:
+                if response:
+                    c.response_bytes += n
+                else:
+                    c.request_bytes += n
+                c.by_path.setdefault(key, [0, 0, 0])[slot] += n
+
+        return tally
 
     def _count_request(self, method: str, path: str) -> None:
         c = self._counters
@@ -692,18 +693,8 @@ class FaultProxy:
         except ValueError:
             raise ProxyProtocolError(f"malformed request line {lines[0][:80]!r}") from None
         headers = _parse_headers(lines[1:])
-        path = target.partition("?")[0]
-        self._count_request(method, path)
-        ex = _Exchange(method, path)
-        try:
-            return self._exchange_inner(client, rfile, socks, state, buf, ex, method, target, version, headers)
-        finally:
-            self._tally(ex)
-
-    def _exchange_inner(
-        self, client, rfile, socks, state, buf, ex: _Exchange, method, target, version, headers
-    ) -> bool:
         path, _, query = target.partition("?")
+        self._count_request(method, path)
         info = RequestInfo(method, path, query, {k.lower(): v for k, v in headers})
         fault = self._draw(info)
         client_close = version == "HTTP/1.0" or _has_token(headers, "connection", "close")
@@ -711,9 +702,11 @@ class FaultProxy:
         req_len = _body_length(headers)
         req_chunked = _has_token(headers, "transfer-encoding", "chunked")
 
+        count_request = self._tally(method, path, response=False)
+        count_response = self._tally(method, path, response=True)
+
         def read_body(sink: socket.socket | None) -> None:
-            counted = self._relay_body(rfile, sink, buf, req_len if not req_chunked else None, req_chunked, False)
-            ex.request_bytes += counted
+            self._relay_body(rfile, sink, buf, req_len if not req_chunked else None, req_chunked, False, count_request)
 
         if fault is not None and fault.kind in _ERROR_KINDS:
             self._record_fault(fault, method, path, "request")
@@ -772,7 +765,7 @@ class FaultProxy:
                 else:
                     limit = resp_len or 0
                     cut = min(int(fault.fraction * limit), limit - 1)
-                ex.response_bytes += self._relay_body(up.rfile, client, buf, limit, resp_chunked, False, cut=cut)
+                self._relay_body(up.rfile, client, buf, limit, resp_chunked, False, count_response, cut=cut)
             elif fault.kind != "stall":
                 client.sendall(head[: int(fault.fraction * (_STATUS_CUT + 1))])
             self._drop_upstream(state, socks)
@@ -781,7 +774,7 @@ class FaultProxy:
 
         try:
             client.sendall(head)
-            ex.response_bytes += self._relay_body(up.rfile, client, buf, resp_len, resp_chunked, close_delimited)
+            self._relay_body(up.rfile, client, buf, resp_len, resp_chunked, close_delimited, count_response)
         except (OSError, ProxyProtocolError):  # the upstream broke off (or the client hung up) mid-response
             self._unplanned()
             self._drop_upstream(state, socks)
@@ -853,21 +846,25 @@ class FaultProxy:
         length: int | None,
         chunked: bool,
         until_close: bool,
+        tally: Callable[[int], None],
         *,
         cut: int = -1,
     ) -> int:
-        """Copy a body from ``src`` to ``dst`` (None: discard); returns payload bytes moved.
+        """Copy a body from ``src`` to ``dst`` (None: discard), counting its payload with ``tally``.
 
-        ``cut`` >= 0 stops after that many payload bytes (chunked: at the first
-        chunk boundary past it), leaving the message unfinished.
+        Returns the payload bytes moved. ``cut`` >= 0 stops after that many
+        payload bytes (chunked: within the chunk that crosses it), leaving the
+        message unfinished.
         """
         if chunked:
-            return self._relay_chunked(src, dst, buf, cut)
+            return self._relay_chunked(src, dst, buf, cut, tally)
         if until_close:
-            return self._relay_fixed(src, dst, buf, None, cut)
-        return self._relay_fixed(src, dst, buf, length or 0, cut)
+            return self._relay_fixed(src, dst, buf, None, cut, tally)
+        return self._relay_fixed(src, dst, buf, length or 0, cut, tally)
 
-    def _relay_fixed(self, src, dst: socket.socket | None, buf: memoryview, length: int | None, cut: int) -> int:
+    def _relay_fixed(
+        self, src, dst: socket.socket | None, buf: memoryview, length: int | None, cut: int, tally: Callable[[int], None]
+    ) -> int:
         moved = 0
         want = length if length is not None else -1
         if cut >= 0:
@@ -879,12 +876,15 @@ class FaultProxy:
                 if length is None:
                     return moved  # close-delimited body ended
                 raise ProxyProtocolError(f"body ended after {moved} of {length} bytes")
+            tally(got)
             if dst is not None:
                 dst.sendall(buf[:got])
             moved += got
         return moved
 
-    def _relay_chunked(self, src, dst: socket.socket | None, buf: memoryview, cut: int) -> int:
+    def _relay_chunked(
+        self, src, dst: socket.socket | None, buf: memoryview, cut: int, tally: Callable[[int], None]
+    ) -> int:
         moved = 0
         while True:
             line = src.readline(_MAX_HEAD_LINE + 1)
@@ -909,9 +909,9 @@ class FaultProxy:
                         return moved
                 raise ProxyProtocolError("too many trailer lines")
             if cut >= 0 and moved + size > cut:
-                moved += self._relay_fixed(src, dst, buf, size, cut - moved)
+                moved += self._relay_fixed(src, dst, buf, size, cut - moved, tally)
                 return moved
-            moved += self._relay_fixed(src, dst, buf, size, -1)
+            moved += self._relay_fixed(src, dst, buf, size, -1, tally)
             crlf = src.readline(3)
             if crlf not in (b"\r\n", b"\n"):
                 raise ProxyProtocolError("chunk not followed by CRLF")
