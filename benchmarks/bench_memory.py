@@ -176,7 +176,7 @@ def render(runs: list[dict[str, Any]], args: argparse.Namespace, shards: list[fl
             budget = any_run.get("budget") if any_run else None
             limit = budget + ALLOWANCE if budget is not None else None
 
-            def verdict(r: dict[str, Any] | None) -> str:
+            def verdict(r: dict[str, Any] | None, limit: int | None = limit) -> str:
                 if r is None:
                     return "failed"
                 if limit is None:
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                             "seed": args.seed, "small_part": int(args.small_part_mb * C.MiB),
                             "small_inflight": args.small_inflight, "verify": not args.no_verify,
                             "uri": target.uri(name),
-                            "path": os.path.join(target.root if args.backend == "local" and c != "stock_fs" else local_root, name),
+                            "path": os.path.join(
+                                target.root if args.backend == "local" and c != "stock_fs" else local_root, name
+                            ),
                         }  # fmt: skip
                         save_failed = False
                         for op in ("save", "load"):

@@ -97,7 +97,7 @@ class _ScatterReader(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
         n = 0
-        for start, v in zip(self._starts, self._views):
+        for start, v in zip(self._starts, self._views, strict=True):
             end = start + len(v)
             if self._pos >= end or n == len(out):
                 continue
@@ -273,7 +273,10 @@ def _wire_gcs_save(spec: dict[str, Any], sd: dict[str, Any]) -> dict[str, Any]:
         level = 0
         while len(sources) > 32:  # compose takes at most 32 sources: build a tree
             level += 1
-            groups = [(f"{key}.wire-parts/c{level:02d}-{i:05d}", sources[j : j + 32]) for i, j in enumerate(range(0, len(sources), 32))]
+            groups = [
+                (f"{key}.wire-parts/c{level:02d}-{i:05d}", sources[j : j + 32])
+                for i, j in enumerate(range(0, len(sources), 32))
+            ]
 
             def compose(group: tuple[str, list[Any]]) -> Any:
                 target = bucket.blob(group[0])
@@ -458,7 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="TransferConfig.concurrency (also the wire pool)")
     p.add_argument("--read-chunk-mb", type=float, default=d.read_chunk_size / C.MiB, help="TransferConfig.read_chunk_size in MiB")
     p.add_argument("--workdir", default=tempfile.gettempdir(), help="where local-disk contenders write (default: temp dir)")
-    p.add_argument("--s3tc-python", default=None, help="python of a virtualenv with s3torchconnector (adds that contender, s3 only)")
+    p.add_argument(
+        "--s3tc-python", default=None, help="python of a virtualenv with s3torchconnector (adds that contender; s3 only)"
+    )
     p.add_argument("--json", default=None, help="raw results file (default bench-results/throughput-<backend>.json)")
     p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed small warm-up round")
