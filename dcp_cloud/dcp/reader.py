@@ -20,6 +20,7 @@ whole and sliced, as stock torch does.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 import uuid
@@ -139,6 +140,7 @@ class CloudReader(CloudBase, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self.is_coordinator = is_coordinator
         self._chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -175,8 +177,18 @@ class CloudReader(CloudBase, StorageReader):
             peak = engine.budget.peak
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
-        log.debug(
-            "read %d bytes of %s in %.2fs", self._last_stats.bytes_read, self.checkpoint_id, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        read = self._last_stats.bytes_read
+        # One INFO line per checkpoint (from the coordinator); other ranks log at DEBUG.
+        log.log(
+            logging.INFO if getattr(self, "is_coordinator", True) else logging.DEBUG,
+            "loaded %s: %d bytes read by this rank in %.2fs (%.1f MB/s, %d requests, %d retries)",
+            self.checkpoint_id,
+            read,
+            seconds,
+            read / 1e6 / seconds if seconds > 0 else 0.0,
+            self._last_stats.total_requests,
+            self._last_stats.retries,
         )
         fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)
