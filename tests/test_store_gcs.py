@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import multiprocessing
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 
 import crc32c
 import pytest
@@ -114,7 +116,7 @@ def test_create_only_put_twice(gcs_store: GCSStore) -> None:
 
 
 def test_create_only_put_above_simple_upload_limit(gcs_store: GCSStore) -> None:
-    # > 8 MiB goes through a resumable session, whose precondition fake-gcs ignores:
+    # > 8 MiB goes through a media upload, whose precondition fake-gcs ignores:
     # the store's pre-check still refuses.
     data = os.urandom(8 * 1024 * 1024 + 1)
     gcs_store.put("big", data, create_only=True)
@@ -305,43 +307,64 @@ def test_limits_and_part_numbers(gcs_store: GCSStore) -> None:
 # -- integrity ----------------------------------------------------------------------------------
 
 
-def _capture_upload_metadata(store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """Spy on the client's session: the object metadata of every upload request."""
+def _capture_upload_checksums(store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    """Spy on the client's session: (uploadType, CRC32C sent or None) of every upload request.
+
+    Media uploads carry it in the ``x-goog-hash`` header, multipart uploads in
+    the object metadata (the first part of the multipart/related body).
+    """
     session = store._client_()._http
     real = session.request
-    seen: list[dict] = []
+    seen: list[tuple[str, str | None]] = []
 
     def spy(method, url, data=None, headers=None, **kwargs):
         if method == "POST" and "/upload/" in url:
-            body = data if isinstance(data, bytes) else b""
-            if "uploadType=multipart" in url:  # metadata is the first part of multipart/related
-                body = body.split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0]
-            seen.append(json.loads(body))
+            upload_type = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["uploadType"][0]
+            if upload_type == "multipart":
+                part = bytes(data).split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0]
+                seen.append((upload_type, json.loads(part).get("crc32c")))
+            else:
+                hashes = {k.lower(): v for k, v in (headers or {}).items()}.get("x-goog-hash")
+                seen.append((upload_type, hashes.removeprefix("crc32c=") if hashes else None))
         return real(method, url, data=data, headers=headers, **kwargs)
 
     monkeypatch.setattr(session, "request", spy)
     return seen
 
 
+def _b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
 def test_uploads_carry_crc32c(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _capture_upload_metadata(gcs_store, monkeypatch)
+    seen = _capture_upload_checksums(gcs_store, monkeypatch)
     small, large = b"small object", os.urandom(9 * 1024 * 1024)
+    upload_id = gcs_store.create_multipart("m")
+    seen.clear()
     gcs_store.put("given", small, crc32c=crc32c.crc32c(small))
     gcs_store.put("computed", small)  # no crc32c given: the store computes it
-    gcs_store.put("resumable", large, crc32c=crc32c.crc32c(large))
-    expected = [crc32c.crc32c(small), crc32c.crc32c(small), crc32c.crc32c(large)]
-    import base64
-
-    assert [int.from_bytes(base64.b64decode(m["crc32c"]), "big") for m in seen] == expected
+    gcs_store.put("large", large, crc32c=crc32c.crc32c(large))
+    gcs_store.put_part("m", upload_id, 1, large, crc32c=crc32c.crc32c(large))
+    gcs_store.put("meta", small, create_only=True)  # the small create-only path: in the metadata
+    gcs_store.put("big-meta", large, create_only=True)
+    assert seen == [
+        ("media", _b64(crc32c.crc32c(small))),
+        ("media", _b64(crc32c.crc32c(small))),
+        ("media", _b64(crc32c.crc32c(large))),
+        ("media", _b64(crc32c.crc32c(large))),
+        ("multipart", _b64(crc32c.crc32c(small))),
+        ("media", _b64(crc32c.crc32c(large))),
+    ]
     # fake-gcs-server does not verify it (real GCS answers 400), but stores the right bytes:
-    assert gcs_store.get("resumable") == large
+    assert gcs_store.get("large") == large and gcs_store.get("big-meta") == large
 
 
 def test_checksums_can_be_turned_off(gcs_emulator: GCSEmulator, gcs_env, gcs_bucket, monkeypatch) -> None:
     store = GCSStore(gcs_bucket, GCSConfig(endpoint=gcs_emulator.endpoint, transport_checksums=False))
-    seen = _capture_upload_metadata(store, monkeypatch)
+    seen = _capture_upload_checksums(store, monkeypatch)
     store.put("k", b"data", crc32c=123)
-    assert "crc32c" not in seen[0]
+    store.put("c", b"data", crc32c=123, create_only=True)
+    assert seen == [("media", None), ("multipart", None)]
 
 
 # -- one attempt per call -------------------------------------------------------------------------
@@ -372,9 +395,15 @@ def _spy_requests(store: GCSStore, monkeypatch: pytest.MonkeyPatch, fail_when=No
 
 def test_each_call_is_one_request(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
     gcs_store.put("k", b"0123456789")
+    upload_id = gcs_store.create_multipart("p")
+    big = memoryview(bytearray(9 * 1024 * 1024))  # above the library's single-request limit
     log = _spy_requests(gcs_store, monkeypatch)
     calls = [
         lambda: gcs_store.put("k2", b"x", create_only=True),
+        lambda: gcs_store.put("k3", b"x"),
+        lambda: gcs_store.put("k4", big),
+        lambda: gcs_store.put_part("p", upload_id, 1, b"x"),
+        lambda: gcs_store.put_part("p", upload_id, 2, big),
         lambda: gcs_store.get("k"),
         lambda: gcs_store.head("k"),
         lambda: gcs_store.read_into("k", 2, [memoryview(bytearray(3)), memoryview(bytearray(4))]),
@@ -389,6 +418,48 @@ def test_each_call_is_one_request(gcs_store: GCSStore, monkeypatch: pytest.Monke
         assert len(log) == 1, log
 
 
+def test_media_upload_sends_the_callers_buffer(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put / put_part: one uploadType=media POST whose body is the caller's buffer, not a copy."""
+    session = gcs_store._client_()._http
+    real = session.request
+    sent: list[tuple[str, dict, dict]] = []
+
+    def spy(method, url, data=None, headers=None, **kwargs):
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+        sent.append((method, query, {"data": data, "headers": dict(headers or {})}))
+        return real(method, url, data=data, headers=headers, **kwargs)
+
+    upload_id = gcs_store.create_multipart("ckpt/shard")
+    monkeypatch.setattr(session, "request", spy)
+    buffer = bytearray(os.urandom(3 * 1024 * 1024))
+    key = "dir/a key+with ?#% é"
+    info = gcs_store.put(key, memoryview(buffer), crc32c=crc32c.crc32c(buffer))
+    part = gcs_store.put_part("ckpt/shard", upload_id, 7, memoryview(buffer)[: 1 << 20])
+    big = bytearray(9 * 1024 * 1024)
+    gcs_store.put("big", memoryview(big), create_only=True)  # pre-check GET, then a media upload
+    methods = [method for method, _, _ in sent]
+    assert methods == ["POST", "POST", "GET", "POST"], sent
+    (_, q1, r1), (_, q2, r2), _, (_, q3, r3) = sent
+    assert q1 == {"uploadType": ["media"], "name": [key]}
+    assert q2 == {"uploadType": ["media"], "name": [f"ckpt/shard{PARTS_MARKER}{upload_id}/p00007"]}
+    assert q3 == {"uploadType": ["media"], "name": ["big"], "ifGenerationMatch": ["0"]}
+    for request, source in ((r1, buffer), (r2, buffer), (r3, big)):
+        assert isinstance(request["data"], memoryview) and request["data"].obj is source  # no copy
+        assert request["headers"]["Content-Type"] == "application/octet-stream"
+    assert r1["headers"]["x-goog-hash"] == f"crc32c={_b64(crc32c.crc32c(buffer))}"
+    assert r2["headers"]["x-goog-hash"] == f"crc32c={_b64(crc32c.crc32c(buffer[: 1 << 20]))}"
+    assert (info.key, info.size) == (key, len(buffer)) and info.version and info.modified is not None
+    assert gcs_store.head(key) == info and gcs_store.get(key) == bytes(buffer)
+    assert (part.number, part.size) == (7, 1 << 20) and part.token
+    done = gcs_store.complete_multipart("ckpt/shard", upload_id, [part])
+    assert gcs_store.get("ckpt/shard") == bytes(buffer[: 1 << 20]) and done.size == 1 << 20
+
+
+def test_empty_media_upload(gcs_store: GCSStore) -> None:
+    assert gcs_store.put("empty", memoryview(bytearray(0))).size == 0
+    assert gcs_store.get("empty") == b""
+
+
 def test_no_library_retries(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
     gcs_store.put("k", b"0123456789")
     upload_id, parts = upload_parts(gcs_store, "m", b"abcdef", 2)
@@ -398,7 +469,8 @@ def test_no_library_retries(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch
     log = _spy_requests(gcs_store, monkeypatch, fail_when=targeted)
     calls = [
         lambda: gcs_store.put("k", b"y"),
-        lambda: gcs_store.put("k", b"y" * (9 * 1024 * 1024)),  # resumable: fails at initiation
+        lambda: gcs_store.put("k", b"y" * (9 * 1024 * 1024)),
+        lambda: gcs_store.put_part("m", upload_id, 1, b"y" * (9 * 1024 * 1024)),
         lambda: gcs_store.get("k"),
         lambda: gcs_store.head("k"),
         lambda: gcs_store.read_into("k", 0, [memoryview(bytearray(3))]),

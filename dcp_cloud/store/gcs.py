@@ -22,13 +22,13 @@ connection pool is sized for ``max_connections`` concurrent threads.
 
 One attempt per call
 --------------------
-Every request is made with the library's retries disabled (``retry=None``,
-resumable uploads included) and the client's background bucket-metadata
-fetches (google-cloud-storage >= 3.5, for trace labels) switched off, so a call
-is one request (a resumable upload: initiation + one PUT; ``complete_multipart``
-and ``delete``: one request per object touched). Failures are translated by the
-single function :func:`_translate` into :mod:`dcp_cloud.errors` types and
-retried, if at all, by :mod:`dcp_cloud.store.retry`. GCS answers 404 alike for
+Every request is made with the library's retries disabled (``retry=None``)
+and the client's background bucket-metadata fetches (google-cloud-storage >= 3.5,
+for trace labels) switched off, so a call is one request (a ``create_only``
+:meth:`~GCSStore.put` above 8 MiB: a metadata GET, then the upload;
+``complete_multipart`` and ``delete``: one request per object touched).
+Failures are translated by the single function :func:`_translate` into
+:mod:`dcp_cloud.errors` types and retried, if at all, by :mod:`dcp_cloud.store.retry`. GCS answers 404 alike for
 a missing object and a missing bucket, so the first object 404 of a store is
 followed by one listing of the bucket to tell BucketNotFoundError from
 ObjectNotFoundError (a bucket seen once is not probed again).
@@ -42,18 +42,33 @@ than the range (then, like a 416, CorruptCheckpointError).
 
 Uploads
 -------
-:meth:`GCSStore.put` sends the object's CRC32C in the upload metadata (the
-caller's value, or one computed here) when ``transport_checksums`` is on, so
-real GCS rejects bytes corrupted in flight (HTTP 400). google-cloud-storage
-uses a single-request ``uploadType=multipart`` upload up to 8 MiB
-(``google.cloud.storage.blob._MAX_MULTIPART_SIZE``) and a resumable session
-above; metadata objects (the ones written ``create_only``) are far below that
-limit, so they always take the single-request path, where ``ifGenerationMatch=0``
-is honoured by real GCS *and* by fake-gcs-server. fake-gcs-server ignores
-preconditions on resumable uploads and on ``compose``; for those two paths a
-``create_only`` write first checks that the object is absent (one metadata GET,
-racy). The server-side precondition is still sent and is what makes the write
-atomic on real GCS.
+:meth:`GCSStore.put` and :meth:`GCSStore.put_part` send the caller's buffer
+itself as the body of ONE JSON-API media upload (``POST
+{endpoint}/upload/storage/v1/b/{bucket}/o?uploadType=media&name=...``) through
+the client's own authorized session (the one exception, small ``create_only``
+puts, is below): requests, urllib3 and
+http.client pass a bytes-like body to the socket without copying it, so an
+upload holds no memory beyond the caller's (budgeted) buffer. The library's
+own upload calls would copy every body into new ``bytes`` (building the
+``multipart/related`` body, or reading resumable chunks), which is why they
+are not used for data. With ``transport_checksums`` the object's CRC32C (the
+caller's value, or one computed here) travels in the ``x-goog-hash:
+crc32c=...`` header, so real GCS rejects bytes corrupted in flight (HTTP 400).
+
+``create_only`` writes carry ``ifGenerationMatch=0``, which real GCS honours on
+every upload type. fake-gcs-server ignores it on media uploads (it overwrites),
+so which path a ``create_only`` :meth:`~GCSStore.put` takes depends on its size:
+
+* up to 8 MiB (``google.cloud.storage.blob._MAX_MULTIPART_SIZE``; metadata
+  objects are far below it): the library's single-request
+  ``uploadType=multipart`` upload (CRC32C in the object metadata), whose
+  precondition the emulator also honours; the small body is copied once there;
+* above: a metadata GET first checks that the object is absent (racy; it is
+  what the emulator can verify), then the media upload with
+  ``ifGenerationMatch=0``, which is what makes the write atomic on real GCS.
+
+fake-gcs-server also ignores preconditions on ``compose``, so a
+``create_only`` :meth:`~GCSStore.complete_multipart` makes the same pre-check.
 
 "Multipart" = parallel composite upload
 ---------------------------------------
@@ -98,17 +113,18 @@ Limits: no minimum part size (``compose`` takes objects of any size), at most
 5 TiB per part and per object, and 10,000 parts per upload (as S3; composing
 them takes 324 ``compose`` calls in three levels).
 
-What fake-gcs-server (v1.54) exercises: simple and resumable uploads, ranged
+What fake-gcs-server (v1.54) exercises: media and multipart uploads, ranged
 downloads (416 past the end, short 206 bodies at the end), compose (32-source
-limit), listing, deletes, ``ifGenerationMatch=0`` on simple uploads. What it
-does not: it ignores the CRC32C sent with uploads, ``ifGenerationMatch`` on
-resumable uploads and on compose, and ``ifSourceGenerationMatch``; it does not
-implement the JSON batch endpoint (so deletes are individual requests, issued
-in parallel); it answers 500 instead of 404 when a compose source is missing
-(complete's listing catches missing parts before composing); and it has no
-IAM, so 401/403 never occur. Real-GCS-only behaviour (server-side CRC32C
-rejection, atomic create-only resumable upload and compose, access errors) is
-therefore covered only by unit tests of the translation, not end to end.
+limit), listing, deletes, ``ifGenerationMatch=0`` on multipart uploads. What it
+does not: it ignores the CRC32C sent with uploads (header or metadata),
+``ifGenerationMatch`` on media uploads and on compose, and
+``ifSourceGenerationMatch``; it does not implement the JSON batch endpoint (so
+deletes are individual requests, issued in parallel); it answers 500 instead of
+404 when a compose source is missing (complete's listing catches missing parts
+before composing); and it has no IAM, so 401/403 never occur. Real-GCS-only
+behaviour (server-side CRC32C rejection, atomic create-only media upload and
+compose, access errors) is therefore covered only by unit tests of the
+request and of the translation, not end to end.
 """
 
 from __future__ import annotations
@@ -160,6 +176,10 @@ COMPOSE_MAX_SOURCES = 32
 _MARKER_NAME = "started"
 _UPLOAD_ID_RE = re.compile(r"^[0-9a-f]{1,16}-[0-9a-f]{16}$")
 _PART_RE = re.compile(r"^p(\d{5})$")
+
+#: Largest ``create_only`` put sent as one ``uploadType=multipart`` request (the
+#: library's single-request limit); larger ones and all other uploads are media uploads.
+_MAX_SMALL_CREATE = 8 * MiB
 
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _SCOPES = (
@@ -637,31 +657,73 @@ class GCSStore:
             raise _translate(exc, self.bucket, None, missing="bucket") from exc
 
     def _upload(self, name: str, data: Buffer, *, create_only: bool, crc32c: int | None) -> ObjectInfo:
-        """Upload ``data`` to ``name`` in one call. Errors untranslated."""
-        from google.cloud.storage import blob as blob_module
-
+        """Upload ``data`` to ``name`` (see "Uploads" in the module docstring). Errors untranslated."""
         view = _byte_view(data)
-        size = len(view)
-        blob = self._blob(name)
         checksum_b64 = None
         if self.config.transport_checksums:
             value = crc32c if crc32c is not None else _crc32c.crc32c(view)
             checksum_b64 = base64.b64encode((value & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+        from google.cloud.storage import blob as blob_module
+
+        small = min(_MAX_SMALL_CREATE, getattr(blob_module, "_MAX_MULTIPART_SIZE", _MAX_SMALL_CREATE))
+        if create_only and len(view) <= small:
+            return self._upload_multipart(name, view, checksum_b64)
+        if create_only:
+            self._require_absent(name)  # fake-gcs ignores the precondition of media uploads
+        return self._upload_media(name, view, create_only=create_only, checksum_b64=checksum_b64)
+
+    def _upload_media(self, name: str, view: memoryview, *, create_only: bool, checksum_b64: str | None) -> ObjectInfo:
+        """One JSON-API ``uploadType=media`` POST whose body is ``view`` itself (never copied). Errors untranslated."""
+        from google.api_core import exceptions as api_exceptions
+
+        client = self._client_()
+        connection = client._connection
+        base = (
+            connection.get_api_base_url_for_mtls()
+            if hasattr(connection, "get_api_base_url_for_mtls")
+            else connection.API_BASE_URL
+        )
+        params = [("uploadType", "media"), ("name", name)]
+        if create_only:
+            params.append(("ifGenerationMatch", "0"))
+        query = urllib.parse.urlencode(params, quote_via=urllib.parse.quote)
+        url = f"{base}/upload/storage/v1/b/{urllib.parse.quote(self.bucket, safe='')}/o?{query}"
+        headers = {
+            **getattr(client, "_extra_headers", {}),
+            "Content-Type": "application/octet-stream",
+            "User-Agent": connection.user_agent,
+        }
+        if checksum_b64 is not None:
+            headers["x-goog-hash"] = f"crc32c={checksum_b64}"  # the server rejects a mismatch (HTTP 400)
+        # requests / urllib3 / http.client hand a bytes-like body to the socket
+        # as is (Content-Length from len()); an empty body must be b"" (an empty
+        # memoryview would be sent chunked).
+        response = client._http.request(
+            "POST", url, data=view if len(view) else b"", headers=headers, timeout=self.request_timeout
+        )
+        if not 200 <= response.status_code < 300:
+            raise api_exceptions.from_http_response(response)
+        blob = self._blob(name)
+        blob._set_properties(response.json())  # the object resource, parsed as reload() would
+        return ObjectInfo(name, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
+
+    def _upload_multipart(self, name: str, view: memoryview, checksum_b64: str | None) -> ObjectInfo:
+        """Create-only upload of a small object through the library's ``uploadType=multipart``. Errors untranslated."""
+        blob = self._blob(name)
+        if checksum_b64 is not None:
             blob.crc32c = checksum_b64  # sent in the object metadata: the server verifies it
-        if create_only and size > getattr(blob_module, "_MAX_MULTIPART_SIZE", 8 * MiB):
-            self._require_absent(name)  # resumable upload: see the module docstring
         blob.upload_from_file(
             _BufferReader(view),
-            size=size,
+            size=len(view),
             rewind=False,
             content_type="application/octet-stream",
-            if_generation_match=0 if create_only else None,
+            if_generation_match=0,
             checksum=None,  # ours, above (the library would recompute it)
             retry=None,
             timeout=self.request_timeout,
             crc32c_checksum_value=checksum_b64,
         )
-        return ObjectInfo(name, size, str(blob.generation), _epoch(blob.updated))
+        return ObjectInfo(name, len(view), str(blob.generation), _epoch(blob.updated))
 
     def _require_absent(self, name: str) -> None:
         """Emulator-compatible create-only check for paths whose precondition fake-gcs ignores."""
