@@ -416,9 +416,8 @@ def _bits_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         if isinstance(b[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and bytes(a[k].contiguous().untyped_storage()) == bytes(
-                b[k].contiguous().untyped_storage()
-            ), k
+            raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a[k], b[k])]
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(*raw), k
         elif isinstance(b[k], dict):
             _bits_equal(a[k], b[k])
         else:
