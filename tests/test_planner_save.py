@@ -170,6 +170,7 @@ def _save_diverged(rank: int, world: int, uri_contents: str, uri_shape: str) -> 
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_balanced_save_spreads_replicated_bytes(s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any, tmp_path: Path) -> None:
     balanced = f"s3://{s3_bucket}/balanced"
     stock = f"s3://{s3_bucket}/stock"
@@ -208,6 +209,7 @@ def test_balanced_save_spreads_replicated_bytes(s3_bucket: str, s3_env: dict[str
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_balanced_save_dtensor_replicate(s3_bucket: str, s3_env: dict[str, str]) -> None:
     results = run_ranks(4, _save_dtensor_replicated, f"s3://{s3_bucket}/dt", env=s3_env)
     written = [r["bytes"] for r in results]
@@ -218,6 +220,7 @@ def test_balanced_save_dtensor_replicate(s3_bucket: str, s3_env: dict[str, str])
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_diverged_replicas_fail_clearly(s3_bucket: str, s3_env: dict[str, str]) -> None:
     results = run_ranks(2, _save_diverged, f"s3://{s3_bucket}/c", f"s3://{s3_bucket}/s", env=s3_env)
     for contents, shape in results:
