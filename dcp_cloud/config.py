@@ -52,13 +52,11 @@ class TransferConfig:
     #: Two wanted ranges closer than this are fetched with one request; the
     #: gap is read into scratch memory and discarded.
     coalesce_gap: int = 64 * 1024
-    #: Checksum granularity (bytes of an item per CRC32C). A verified ranged
-    #: read is widened to whole blocks, so a resharding load fetches up to two
-    #: partial blocks more per saved chunk it reads from; each block costs 4
-    #: bytes of metadata (32 KiB per GiB saved at 128 KiB), which every rank
-    #: reads at load. 128 KiB keeps resharded loads within ~3% of the bytes
-    #: needed for shards down to a few MiB; with thousands of ranks loading a
-    #: large checkpoint, a larger block keeps the per-rank metadata small.
+    #: Largest checksum block (bytes of an item per CRC32C). Each item gets
+    #: blocks of about 1/256 of its size, a power of two between 4 KiB and
+    #: this cap: a verified ranged read is widened to whole blocks, so small
+    #: blocks keep resharded loads byte-precise, and the cap keeps metadata
+    #: of huge items at 4 bytes per block (32 KiB per GiB at 128 KiB).
     checksum_block_size: int = 128 * 1024
     #: Verify CRC32C of every byte read against the checksums saved with the
     #: checkpoint (checkpoints written without checksums are read unverified).

@@ -108,6 +108,26 @@ def _item_nbytes(item: WriteItem) -> int:
     return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
 
 
+#: Checksum blocks per item that small items are cut into (see checksum_block_for).
+_BLOCKS_PER_ITEM = 256
+_MIN_BLOCK = 4096
+
+
+def checksum_block_for(nbytes: int, max_block: int) -> int:
+    """Checksum block size for an item of ``nbytes``: about 1/256 of it, a power of two in [4 KiB, max_block].
+
+    A verified ranged read is widened to whole blocks, so the waste per read
+    is at most two blocks; sizing blocks to the item keeps that under ~1% of
+    the item for items of any size, while large items keep ``max_block``
+    blocks and the metadata stays at most 1 KiB of CRCs per item below the cap.
+    """
+    target = max(nbytes // _BLOCKS_PER_ITEM, 1)
+    block = _MIN_BLOCK
+    while block < target and block < max_block:
+        block *= 2
+    return min(block, max(max_block, _MIN_BLOCK))
+
+
 class CloudWriter(CloudBase, StorageWriter):
     """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one)."""
 
@@ -203,7 +223,7 @@ class CloudWriter(CloudBase, StorageWriter):
         return fut
 
     def _write_item(self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
-        block = self.transfer.checksum_block_size if self.checksums else 0
+        block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
         hasher = BlockHasher(block) if block else None
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
