@@ -27,7 +27,7 @@ from dcp_cloud.errors import TransientStoreError
 from dcp_cloud.store.protocol import PartLimits
 from dcp_cloud.store.retry import RetryHooks, RetryingStore
 from dcp_cloud.testing.moto_server import MotoServer, moto_env
-from dcp_cloud.testing.proxy import FAULT_KINDS, FaultPlan, FaultProxy, ProxyStats
+from dcp_cloud.testing.proxy import FAULT_KINDS, FaultPlan, FaultProxy, ProxyStats, RequestInfo
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -377,6 +377,34 @@ def test_save_and_load_survive_faults(target: Target, kind: str) -> None:
             store.abort_multipart(upload.key, upload.upload_id)
         leftovers = store.list_multipart("")
     assert leftovers == [], leftovers
+
+
+def _is_commit(r: RequestInfo) -> bool:
+    """The create-only write of ``.metadata`` (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``)."""
+    return r.headers.get("if-none-match") == "*" or "ifGenerationMatch=0" in r.query
+
+
+def _is_complete(r: RequestInfo) -> bool:
+    """The request that joins the parts (S3 CompleteMultipartUpload, GCS compose)."""
+    return (r.method == "POST" and "uploadId=" in r.query) or r.path.endswith("/compose")
+
+
+@pytest.mark.parametrize("step", ["commit", "complete"])
+@pytest.mark.parametrize("kind", ["truncate", "reset", "stall"])
+def test_save_survives_a_lost_answer_to_a_commit_step(target: Target, step: str, kind: str) -> None:
+    """The server did it, the client never heard: the retry meets its own work and must accept it."""
+    uri = target.uri(f"lost-{step}-{kind}")
+    when = _is_commit if step == "commit" else _is_complete
+    target.proxy.set_plan(FaultPlan.only(kind, 1.0, phase="response", when=when, max_faults=1, stall_seconds=STALL_S))
+    writer = target.writer(uri)
+    dcp_cloud.save(_state(), storage_writer=writer)
+    stats = target.proxy.snapshot()
+    assert stats.faults[kind] == 1 and writer.stats.retries == 1, stats.events
+    assert [(e.kind, e.phase) for e in stats.events] == [(kind, "response")]
+    target.proxy.set_plan(FaultPlan())
+    loaded = _blank(_state())
+    dcp_cloud.load(loaded, storage_reader=target.reader(uri))
+    _assert_bits_equal(loaded, _state())
 
 
 # --------------------------------------------------------------------------- multi-rank
