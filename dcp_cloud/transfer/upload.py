@@ -11,6 +11,7 @@ half-written is left behind by a live process.
 from __future__ import annotations
 
 import io
+import logging
 import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ from ..store.protocol import ObjectInfo, PartInfo
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
+
+log = logging.getLogger("dcp_cloud")
 
 
 class ObjectWriter(io.RawIOBase):
@@ -147,14 +150,25 @@ class ObjectWriter(io.RawIOBase):
             self._send_part()
         parts = [f.result() for f in self._parts]
         try:
-            return self._store.complete_multipart(self.key, self._upload_id, parts, create_only=self._create_only)
+            info = self._store.complete_multipart(self.key, self._upload_id, parts, create_only=self._create_only)
         except DcpCloudError as exc:
             # A retried complete may have succeeded on the attempt whose answer was lost.
-            if getattr(exc, "after_retry", False) and not isinstance(exc, PreconditionFailedError):
-                info = self._store.head(self.key)
-                if info.size == self._pos:
-                    return info
-            raise
+            if not (getattr(exc, "after_retry", False) and not isinstance(exc, PreconditionFailedError)):
+                raise
+            info = self._store.head(self.key)
+            if info.size != self._pos:
+                raise
+        self._sweep()
+        return info
+
+    def _sweep(self) -> None:
+        """Release what a completed upload may have left behind (GCS composite temporaries
+        whose one-shot delete failed); a no-op answer on S3. Failure only costs storage
+        until dcp_cloud.gc, so it is logged, not raised."""
+        try:
+            self._store.abort_multipart(self.key, self._upload_id or "")
+        except DcpCloudError as exc:
+            log.warning("could not release the parts of %s after completing it: %s", self._store.url(self.key), exc)
 
     def abort(self) -> None:
         """Discard everything written; never raises for a second abort."""
