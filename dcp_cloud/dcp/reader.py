@@ -99,6 +99,7 @@ class CloudReader(CloudBase, StorageReader):
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         self.load_id = str(uuid.uuid4())
+        self._loaded = False
         self.storage_data: dict[Any, Any] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
         self._metadata: Metadata = self._fetch_metadata()
@@ -125,6 +126,8 @@ class CloudReader(CloudBase, StorageReader):
         return load_metadata(body, self.store.url(key))
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._recorder.reset()
+        self._loaded = False
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
@@ -132,6 +135,9 @@ class CloudReader(CloudBase, StorageReader):
             self._metadata = self._fetch_metadata()
 
     def read_metadata(self) -> Metadata:
+        if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here
+            self._recorder.reset()
+            self._loaded = False
         metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -160,7 +166,8 @@ class CloudReader(CloudBase, StorageReader):
     # -- data -------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         started = time.perf_counter()
-        self._recorder.reset()
+        # Counters keep the metadata fetch of the constructor/reset; the clock times the reads.
+        self._recorder.restart_clock()
         items = sorted(plan.items, key=lambda r: (self._info(r).relative_path, self._info(r).offset))
         with self._engine() as engine:
             pending: deque[_Pending] = deque()
@@ -177,6 +184,7 @@ class CloudReader(CloudBase, StorageReader):
             peak = engine.budget.peak
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
+        self._loaded = True
         seconds = time.perf_counter() - started
         read = self._last_stats.bytes_read
         # One INFO line per checkpoint (from the coordinator); other ranks log at DEBUG.

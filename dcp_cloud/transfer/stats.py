@@ -47,6 +47,11 @@ class StatsRecorder:
             self._start = time.perf_counter()
             self._seconds = 0.0
 
+    def restart_clock(self) -> None:
+        """Time from now on, keeping the counters."""
+        with self._lock:
+            self._start = time.perf_counter()
+
     def on_attempt(self, op: str) -> None:
         with self._lock:
             self._requests[op] += 1
