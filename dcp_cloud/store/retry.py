@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..config import RetryConfig
 from ..errors import DcpCloudError, TransientStoreError
-from .protocol import Buffer, ObjectInfo, ObjectStore, PartInfo, PendingUpload
+from .protocol import ObjectStore
+from .wrapper import StoreWrapper
 
 T = TypeVar("T")
 
@@ -73,63 +74,13 @@ def call_with_retry(op: str, fn: Callable[[], T], config: RetryConfig, hooks: Re
             raise
 
 
-class RetryingStore:
+class RetryingStore(StoreWrapper):
     """An ObjectStore that runs every call of ``inner`` through :func:`call_with_retry`."""
 
     def __init__(self, inner: ObjectStore, config: RetryConfig, hooks: RetryHooks | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.config = config
         self.hooks = hooks or RetryHooks()
-        self.scheme = inner.scheme
-        self.bucket = inner.bucket
-        self.limits = inner.limits
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         return call_with_retry(op, fn, self.config, self.hooks)
-
-    def url(self, key: str) -> str:
-        return self.inner.url(key)
-
-    def check_bucket(self) -> None:
-        self._call("check_bucket", self.inner.check_bucket)
-
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
-        return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
-
-    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
-        self._call("read", lambda: self.inner.read_into(key, start, outs))
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", lambda: self.inner.get(key))
-
-    def head(self, key: str) -> ObjectInfo:
-        return self._call("head", lambda: self.inner.head(key))
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        return iter(self._call("list", lambda: list(self.inner.list(prefix))))
-
-    def delete(self, keys: Sequence[str]) -> None:
-        self._call("delete", lambda: self.inner.delete(keys))
-
-    def create_multipart(self, key: str) -> str:
-        return self._call("create_multipart", lambda: self.inner.create_multipart(key))
-
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
-        return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
-
-    def complete_multipart(
-        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
-    ) -> ObjectInfo:
-        return self._call(
-            "complete_multipart",
-            lambda: self.inner.complete_multipart(key, upload_id, parts, create_only=create_only),
-        )
-
-    def abort_multipart(self, key: str, upload_id: str) -> None:
-        self._call("abort_multipart", lambda: self.inner.abort_multipart(key, upload_id))
-
-    def list_multipart(self, prefix: str) -> list[PendingUpload]:
-        return self._call("list_multipart", lambda: self.inner.list_multipart(prefix))
-
-    def close(self) -> None:
-        self.inner.close()

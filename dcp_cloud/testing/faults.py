@@ -32,12 +32,13 @@ from __future__ import annotations
 import collections
 import random
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StoreError, TransientStoreError
-from ..store.protocol import Buffer, ObjectInfo, ObjectStore, PartInfo, PendingUpload
+from ..store.protocol import ObjectStore
+from ..store.wrapper import StoreWrapper
 
 __all__ = ["STORE_OPS", "FaultyStore", "StoreFaultPlan", "flip_byte", "truncate_object"]
 
@@ -103,7 +104,7 @@ class StoreFaultPlan:
             object.__setattr__(self, "ops", frozenset(self.ops))
 
 
-class FaultyStore:
+class FaultyStore(StoreWrapper):
     """An ObjectStore that injects the faults of a :class:`StoreFaultPlan` into ``inner``.
 
     Thread-safe like the store it wraps. Faults are drawn from
@@ -111,10 +112,7 @@ class FaultyStore:
     """
 
     def __init__(self, inner: ObjectStore, plan: StoreFaultPlan | None = None) -> None:
-        self.inner = inner
-        self.scheme = inner.scheme
-        self.bucket = inner.bucket
-        self.limits = inner.limits
+        super().__init__(inner)
         self._lock = threading.Lock()
         self.set_plan(plan or StoreFaultPlan())
 
@@ -167,6 +165,7 @@ class FaultyStore:
             return self._pick(op, ("transient", "lost_answer"))
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
+        op = "read_into" if op == "read" else op  # plans use the protocol's method names
         fault = self._enter(op)
         where = f"{self.scheme}://{self.bucket}"
         if fault == "fail_nth":
@@ -179,15 +178,6 @@ class FaultyStore:
         return result
 
     # -- protocol -----------------------------------------------------------
-
-    def url(self, key: str) -> str:
-        return self.inner.url(key)
-
-    def check_bucket(self) -> None:
-        self._call("check_bucket", self.inner.check_bucket)
-
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
-        return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         self._call("read_into", lambda: self.inner.read_into(key, start, outs))
@@ -217,41 +207,6 @@ class FaultyStore:
                     view[where - pos] ^= 0xFF
                     break
                 pos += len(view)
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", lambda: self.inner.get(key))
-
-    def head(self, key: str) -> ObjectInfo:
-        return self._call("head", lambda: self.inner.head(key))
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        return iter(self._call("list", lambda: list(self.inner.list(prefix))))
-
-    def delete(self, keys: Sequence[str]) -> None:
-        self._call("delete", lambda: self.inner.delete(keys))
-
-    def create_multipart(self, key: str) -> str:
-        return self._call("create_multipart", lambda: self.inner.create_multipart(key))
-
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
-        return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
-
-    def complete_multipart(
-        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
-    ) -> ObjectInfo:
-        return self._call(
-            "complete_multipart",
-            lambda: self.inner.complete_multipart(key, upload_id, parts, create_only=create_only),
-        )
-
-    def abort_multipart(self, key: str, upload_id: str) -> None:
-        self._call("abort_multipart", lambda: self.inner.abort_multipart(key, upload_id))
-
-    def list_multipart(self, prefix: str) -> list[PendingUpload]:
-        return self._call("list_multipart", lambda: self.inner.list_multipart(prefix))
-
-    def close(self) -> None:
-        self.inner.close()
 
     def __getattr__(self, name: str) -> Any:  # store-specific extras (e.g. S3Store.config) pass through
         if name == "inner":
