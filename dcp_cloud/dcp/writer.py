@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
+from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter
 from .backend import Backend
 from .base import CloudBase, log
@@ -157,6 +158,8 @@ class CloudWriter(CloudBase, StorageWriter):
         self._set_up = False
         self._recorder.reset()
         self._started = time.perf_counter()
+        # Refuse a part size the store cannot take now, not at the first part of write_data.
+        plan_part_size(None, self.transfer.part_size, self.store.limits)
         self._check_bucket()
         if not self.overwrite and self._metadata_exists():
             raise CheckpointExistsError(
