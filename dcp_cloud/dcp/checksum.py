@@ -72,7 +72,6 @@ def _block_crcs(
 ) -> Iterable[tuple[int, int, int, int]]:
     block = -1
     crc = 0
-    covered = 0
     for offset, data in pieces:
         pos = offset
         while len(data):
@@ -80,13 +79,12 @@ def _block_crcs(
             if b != block:
                 if block >= 0:
                     raise AssertionError("pieces do not cover whole checksum blocks")
-                block, crc, covered = b, 0, 0
+                block, crc = b, 0
                 if pos != b * block_size:
                     raise AssertionError("read does not start on a checksum block boundary")
             block_end = min((b + 1) * block_size, checked_length)
             take = min(len(data), block_end - pos)
             crc = crc32c.crc32c(data[:take], value=crc)
-            covered += take
             pos += take
             data = data[take:]
             if pos == block_end:
