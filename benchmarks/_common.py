@@ -377,6 +377,16 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         fh.write("\n")
 
 
+def write_results(json_path: str, payload: dict[str, Any], text: str) -> None:
+    """Print the tables, write the raw JSON and the tables as ``.md`` beside it."""
+    print(text)
+    write_json(json_path, payload)
+    md_path = os.path.splitext(json_path)[0] + ".md"
+    with open(md_path, "w") as fh:
+        fh.write(text + "\n")
+    print(f"\nraw results: {json_path}; this table: {md_path}")
+
+
 def default_results_path(name: str) -> str:
     """``bench-results/NAME`` at the repository root (git-ignored)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -255,13 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(local_root, ignore_errors=True)
     text = render(runs, args, shards, contenders)
-    print(text)
-    C.write_json(json_path, {"benchmark": "memory", "args": vars(args), "environment": env_info,
-                             "allowance": ALLOWANCE, "runs": runs})  # fmt: skip
-    md_path = os.path.splitext(json_path)[0] + ".md"
-    with open(md_path, "w") as fh:
-        fh.write(text + "\n")
-    print(f"\nraw results: {json_path}; this table: {md_path}")
+    C.write_results(json_path, {"benchmark": "memory", "args": vars(args), "environment": env_info,
+                                "allowance": ALLOWANCE, "runs": runs}, text)  # fmt: skip
     return 0
 
 

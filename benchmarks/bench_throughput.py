@@ -639,13 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         env_info["s3torchconnector_python"] = args.s3tc_python
     summary = _summaries(runs, contenders)
     text = render(summary, args, env_info)
-    print(text)
-    C.write_json(json_path, {"benchmark": "throughput", "args": vars(args), "environment": env_info,
-                             "summary": summary, "runs": runs})  # fmt: skip
-    md_path = os.path.splitext(json_path)[0] + ".md"
-    with open(md_path, "w") as fh:
-        fh.write(text + "\n")
-    print(f"\nraw results: {json_path}; this table: {md_path}")
+    C.write_results(json_path, {"benchmark": "throughput", "args": vars(args), "environment": env_info,
+                                "summary": summary, "runs": runs}, text)  # fmt: skip
     return 0
 
 
