@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import multiprocessing
 import os
@@ -759,11 +758,3 @@ def test_emulator_failure_shows_log(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="cannot bind"):
         GCSEmulator(binary=fake, port=1).start()
 
-
-def test_buffer_reader_roundtrip() -> None:
-    from dcp_cloud.store.gcs import _BufferReader
-
-    reader = _BufferReader(memoryview(b"0123456789"))
-    assert reader.read(3) == b"012" and reader.tell() == 3
-    reader.seek(-2, io.SEEK_END)
-    assert reader.read() == b"89" and reader.read(5) == b""

@@ -132,6 +132,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import http.client
+import io
 import logging
 import os
 import re
@@ -142,8 +143,6 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import crc32c as _crc32c
 
 from ..errors import (
     AccessDeniedError,
@@ -156,7 +155,16 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .payload import (
+    Buffer,
+    Payload,
+    ScatterReader,
+    payload_bytes,
+    payload_crc32c,
+    payload_size,
+    payload_views,
+)
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
 if TYPE_CHECKING:  # pragma: no cover
     import google.auth.credentials
@@ -369,34 +377,6 @@ def _byte_view(data: Buffer, *, writable: bool = False) -> memoryview:
     if writable:
         raise StoreError("read_into needs contiguous (or 1-D byte) memoryviews as targets")
     return memoryview(view.tobytes())
-
-
-class _BufferReader:
-    """A seekable read-only file over a buffer, so uploads need no up-front copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        chunk = self._view[self._pos : end].tobytes()
-        self._pos = max(self._pos, end)
-        return chunk
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
 
 
 class _Overflow(Exception):
@@ -656,24 +636,26 @@ class GCSStore:
         except Exception as exc:
             raise _translate(exc, self.bucket, None, missing="bucket") from exc
 
-    def _upload(self, name: str, data: Buffer, *, create_only: bool, crc32c: int | None) -> ObjectInfo:
+    def _upload(self, name: str, data: Payload, *, create_only: bool, crc32c: int | None) -> ObjectInfo:
         """Upload ``data`` to ``name`` (see "Uploads" in the module docstring). Errors untranslated."""
-        view = _byte_view(data)
+        views = payload_views(data)
         checksum_b64 = None
         if self.config.transport_checksums:
-            value = crc32c if crc32c is not None else _crc32c.crc32c(view)
+            value = crc32c if crc32c is not None else payload_crc32c(views)
             checksum_b64 = base64.b64encode((value & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
         from google.cloud.storage import blob as blob_module
 
         small = min(_MAX_SMALL_CREATE, getattr(blob_module, "_MAX_MULTIPART_SIZE", _MAX_SMALL_CREATE))
-        if create_only and len(view) <= small:
-            return self._upload_multipart(name, view, checksum_b64)
+        if create_only and payload_size(views) <= small:
+            return self._upload_multipart(name, views, checksum_b64)
         if create_only:
             self._require_absent(name)  # fake-gcs ignores the precondition of media uploads
-        return self._upload_media(name, view, create_only=create_only, checksum_b64=checksum_b64)
+        return self._upload_media(name, views, create_only=create_only, checksum_b64=checksum_b64)
 
-    def _upload_media(self, name: str, view: memoryview, *, create_only: bool, checksum_b64: str | None) -> ObjectInfo:
-        """One JSON-API ``uploadType=media`` POST whose body is ``view`` itself (never copied). Errors untranslated."""
+    def _upload_media(
+        self, name: str, views: list[memoryview], *, create_only: bool, checksum_b64: str | None
+    ) -> ObjectInfo:
+        """One JSON-API ``uploadType=media`` POST whose body is ``views`` themselves (never copied). Errors untranslated."""
         from google.api_core import exceptions as api_exceptions
 
         client = self._client_()
@@ -696,25 +678,27 @@ class GCSStore:
         if checksum_b64 is not None:
             headers["x-goog-hash"] = f"crc32c={checksum_b64}"  # the server rejects a mismatch (HTTP 400)
         # requests / urllib3 / http.client hand a bytes-like body to the socket
-        # as is (Content-Length from len()); an empty body must be b"" (an empty
-        # memoryview would be sent chunked).
-        response = client._http.request(
-            "POST", url, data=view if len(view) else b"", headers=headers, timeout=self.request_timeout
-        )
+        # as is (Content-Length from len()); a body in pieces goes as a
+        # ScatterReader (Content-Length from its len(), pieces sent as views);
+        # an empty body must be b"" (an empty memoryview would be sent chunked).
+        body: Any = b"" if not views else views[0] if len(views) == 1 else ScatterReader(views)
+        response = client._http.request("POST", url, data=body, headers=headers, timeout=self.request_timeout)
         if not 200 <= response.status_code < 300:
             raise api_exceptions.from_http_response(response)
         blob = self._blob(name)
         blob._set_properties(response.json())  # the object resource, parsed as reload() would
         return ObjectInfo(name, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
 
-    def _upload_multipart(self, name: str, view: memoryview, checksum_b64: str | None) -> ObjectInfo:
+    def _upload_multipart(self, name: str, views: list[memoryview], checksum_b64: str | None) -> ObjectInfo:
         """Create-only upload of a small object through the library's ``uploadType=multipart``. Errors untranslated."""
         blob = self._blob(name)
         if checksum_b64 is not None:
             blob.crc32c = checksum_b64  # sent in the object metadata: the server verifies it
+        body = payload_bytes(views)  # the library wants bytes from read(); small (<= _MAX_SMALL_CREATE)
+        size = len(body)
         blob.upload_from_file(
-            _BufferReader(view),
-            size=len(view),
+            io.BytesIO(body),
+            size=size,
             rewind=False,
             content_type="application/octet-stream",
             if_generation_match=0,
@@ -723,7 +707,7 @@ class GCSStore:
             timeout=self.request_timeout,
             crc32c_checksum_value=checksum_b64,
         )
-        return ObjectInfo(name, len(view), str(blob.generation), _epoch(blob.updated))
+        return ObjectInfo(name, size, str(blob.generation), _epoch(blob.updated))
 
     def _require_absent(self, name: str) -> None:
         """Emulator-compatible create-only check for paths whose precondition fake-gcs ignores."""
@@ -735,7 +719,7 @@ class GCSStore:
             return
         raise PreconditionFailedError(f"{self.url(name)} already exists; refusing to overwrite it")
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         self._check_key(key)
         try:
             return self._upload(key, data, create_only=create_only, crc32c=crc32c)
@@ -851,7 +835,7 @@ class GCSStore:
             raise self._error(exc, key, missing="bucket") from exc
         return upload_id
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         self._check_upload_id(key, upload_id)
         if not isinstance(number, int) or not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"part number {number!r} of {self.url(key)} is outside 1..{self.limits.max_parts}")

@@ -40,7 +40,8 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .payload import Payload, payload_size, payload_views
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -75,16 +76,6 @@ def _renameat2_noreplace():
 
 _renameat2 = _renameat2_noreplace()
 _AT_FDCWD = -100
-
-
-def _byte_view(buf: Buffer) -> memoryview:
-    """``buf`` as a flat byte view (copied only if it is not contiguous)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _out_view(out: memoryview) -> memoryview:
@@ -173,10 +164,11 @@ class LocalStore:
         raise FileNotFoundError(errno.ENOENT, "directory keeps disappearing", str(directory))
 
     @staticmethod
-    def _write_all(fd: int, data: memoryview) -> None:
-        pos = 0
-        while pos < len(data):
-            pos += os.write(fd, data[pos : pos + _MAX_IO])
+    def _write_all(fd: int, views: list[memoryview]) -> None:
+        for data in views:
+            pos = 0
+            while pos < len(data):
+                pos += os.write(fd, data[pos : pos + _MAX_IO])
 
     def _finish_tmp(self, fd: int) -> int:
         """fsync (if on) and close ``fd``; returns the file's mtime_ns."""
@@ -248,14 +240,14 @@ class LocalStore:
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"directory {self.bucket} is not readable: check its owner and mode")
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         final = self._path(key)
-        view = _byte_view(data)
+        views = payload_views(data)
         tmp: Path | None = None
         try:
             fd, tmp = self._open_tmp(final.parent)
             try:
-                self._write_all(fd, view)
+                self._write_all(fd, views)
             except BaseException:
                 os.close(fd)
                 raise
@@ -265,7 +257,7 @@ class LocalStore:
             if tmp is not None and tmp.exists():
                 os.unlink(tmp)
             raise self._error(exc, key, "write") from exc
-        return ObjectInfo(key, len(view), str(mtime), mtime / 1e9)
+        return ObjectInfo(key, payload_size(views), str(mtime), mtime / 1e9)
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         views = [_out_view(o) for o in outs]
@@ -403,7 +395,7 @@ class LocalStore:
             os.makedirs(directory)
             fd, tmp = self._open_tmp(directory)
             try:
-                self._write_all(fd, memoryview(json.dumps({"key": key, "initiated": time.time()}).encode()))
+                self._write_all(fd, [memoryview(json.dumps({"key": key, "initiated": time.time()}).encode())])
             finally:
                 os.close(fd)
             os.replace(tmp, directory / _MANIFEST)
@@ -411,15 +403,15 @@ class LocalStore:
             raise self._error(exc, key, "start an upload of") from exc
         return upload_id
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         if not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"part number {number} of {self.url(key)} is outside 1..{self.limits.max_parts}")
         directory = self._require_upload(key, upload_id)
-        view = _byte_view(data)
+        views = payload_views(data)
         try:
             fd, tmp = self._open_tmp(directory)
             try:
-                self._write_all(fd, view)
+                self._write_all(fd, views)
             except BaseException:
                 os.close(fd)
                 os.unlink(tmp)
@@ -437,7 +429,7 @@ class LocalStore:
         # is completed or aborted (deleting it here could race a concurrent
         # re-upload); tokens sort by upload time, and completion accepts only
         # the latest upload of each number, as S3 does.
-        return PartInfo(number, token, len(view))
+        return PartInfo(number, token, payload_size(views))
 
     def complete_multipart(
         self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
@@ -506,7 +498,7 @@ class LocalStore:
                     chunk = fh.read(min(remaining, _COPY_CHUNK))
                     n = len(chunk)
                     if n:
-                        LocalStore._write_all(out_fd, memoryview(chunk))
+                        LocalStore._write_all(out_fd, [memoryview(chunk)])
                 if n == 0:
                     raise OSError(errno.EIO, "part file shrank while being copied", str(src))
                 remaining -= n

@@ -8,7 +8,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, PreconditionFailedError, StoreError
-from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .payload import Payload, payload_bytes, payload_views
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
 MiB = 1024 * 1024
 
@@ -48,8 +49,8 @@ class MemoryStore:
             self._modified[key] = time.time()
             return ObjectInfo(key, len(data), str(version), self._modified[key])
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
-        return self._store(key, bytes(data), create_only)
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        return self._store(key, payload_bytes(payload_views(data)), create_only)
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         with self._lock:
@@ -111,10 +112,10 @@ class MemoryStore:
             raise StoreError(f"no multipart upload {upload_id!r} for {self.url(key)}")
         return entry[2]
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         if not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"part number {number} outside 1..{self.limits.max_parts}")
-        blob = bytes(data)
+        blob = payload_bytes(payload_views(data))
         with self._lock:
             self._upload(key, upload_id)[number] = blob
         return PartInfo(number, f"part-{number}-{len(blob)}", len(blob))

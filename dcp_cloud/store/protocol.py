@@ -17,7 +17,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-Buffer = bytes | bytearray | memoryview
+from .payload import Buffer, Payload
+
+__all__ = ["Buffer", "ObjectInfo", "ObjectStore", "PartInfo", "PartLimits", "Payload", "PendingUpload"]
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,12 @@ class ObjectStore(Protocol):
         """Raise BucketNotFoundError / AccessDeniedError unless the bucket is usable."""
         ...
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         """Write a whole object. ``create_only`` raises PreconditionFailedError if ``key`` exists.
 
-        ``crc32c`` (of ``data``) is sent to the server where the API allows, so
+        ``data`` is one buffer or a list of buffers forming the body in order
+        (see :mod:`dcp_cloud.store.payload`); stores send it without joining
+        it. ``crc32c`` (of the whole body) is sent to the server where the API allows, so
         corruption in flight is rejected by the server.
         """
         ...
@@ -120,8 +124,8 @@ class ObjectStore(Protocol):
         """Start a multipart upload of ``key``; returns its upload id."""
         ...
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
-        """Upload part ``number`` (1-based). Re-uploading a number replaces it."""
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
+        """Upload part ``number`` (1-based); ``data`` as for :meth:`put`. Re-uploading a number replaces it."""
         ...
 
     def complete_multipart(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import email.utils
 import http.client
-import io
 import os
 import re
 import ssl
@@ -34,8 +33,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
-
-import crc32c as _crc32c
 
 from ..errors import (
     AccessDeniedError,
@@ -48,7 +45,8 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .protocol import Buffer, ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -327,51 +325,6 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
 # --------------------------------------------------------------------------
 
 
-class _BufferReader(io.RawIOBase):
-    """A seekable file over a memoryview, so boto3 can send it without copying it whole."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        start = min(self._pos, end)
-        self._pos = end
-        return bytes(self._view[start:end])
-
-
-def _byte_view(buf: Any) -> memoryview:
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
-
 def _out_view(out: memoryview) -> memoryview:
     """A read target as a flat byte view of the same memory (never a copy)."""
     if not out.c_contiguous or out.readonly:
@@ -379,19 +332,17 @@ def _out_view(out: memoryview) -> memoryview:
     return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
-def _payload(data: Buffer) -> bytes | bytearray | memoryview:
-    """``data`` as bytes/bytearray or a flat byte view (copied only if not contiguous)."""
+def _body(data: Payload) -> tuple[Any, list[memoryview]]:
+    """What to hand boto3 as a body, and the body's views.
+
+    bytes/bytearray go as they are (sent straight to the socket); anything
+    else, and bodies in several pieces, as a ScatterReader over the pieces, so
+    nothing is copied up front.
+    """
+    views = payload_views(data)
     if isinstance(data, (bytes, bytearray)):
-        return data
-    view = memoryview(data)
-    if not view.c_contiguous:
-        return view.tobytes()
-    return _byte_view(view)
-
-
-def _body(payload: bytes | bytearray | memoryview) -> Any:
-    """What to hand boto3 as a body: bytes/bytearray as they are, views wrapped without a copy."""
-    return _BufferReader(payload) if isinstance(payload, memoryview) else payload
+        return data, views
+    return ScatterReader(views), views
 
 
 _loader_lock = threading.Lock()
@@ -584,10 +535,10 @@ class S3Store:
         except Exception as exc:
             raise self._fail(exc, None, "use the bucket") from exc
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
-        payload = _payload(data)
-        size = len(payload)
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(payload), "ContentLength": size}
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+        body, views = _body(data)
+        size = payload_size(views)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": body, "ContentLength": size}
         kwargs.update(self._checksum_args(crc32c))
         if create_only:
             kwargs["IfNoneMatch"] = "*"
@@ -743,14 +694,14 @@ class S3Store:
         except Exception as exc:
             raise self._fail(exc, key, "start an upload of") from exc
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         if not 1 <= number <= self.limits.max_parts:
             raise StoreError(f"part number {number} of {self.url(key)} is outside 1..{self.limits.max_parts}")
-        payload = _payload(data)
-        size = len(payload)
+        body, views = _body(data)
+        size = payload_size(views)
         if self.config.transport_checksums and crc32c is None:
             # The upload was declared CRC32C, so every part must carry one.
-            crc32c = _crc32c.crc32c(payload)
+            crc32c = payload_crc32c(views)
         checksum = self._checksum_args(crc32c)
         try:
             response = self._client().upload_part(
@@ -758,7 +709,7 @@ class S3Store:
                 Key=key,
                 UploadId=upload_id,
                 PartNumber=number,
-                Body=_body(payload),
+                Body=body,
                 ContentLength=size,
                 **checksum,
             )

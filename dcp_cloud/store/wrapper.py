@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from .protocol import Buffer, ObjectInfo, ObjectStore, PartInfo, PendingUpload
+from .protocol import ObjectInfo, ObjectStore, PartInfo, Payload, PendingUpload
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class StoreWrapper:
     def check_bucket(self) -> None:
         self._call("check_bucket", self.inner.check_bucket)
 
-    def put(self, key: str, data: Buffer, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
+    def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
@@ -58,7 +58,7 @@ class StoreWrapper:
     def create_multipart(self, key: str) -> str:
         return self._call("create_multipart", lambda: self.inner.create_multipart(key))
 
-    def put_part(self, key: str, upload_id: str, number: int, data: Buffer, *, crc32c: int | None = None) -> PartInfo:
+    def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
 
     def complete_multipart(
