@@ -28,6 +28,7 @@ from dcp_cloud.errors import (
 )
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.retry import RetryHooks, RetryingStore, backoff_delay, call_with_retry
+from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte, truncate_object
 from dcp_cloud.transfer.engine import TransferEngine
 
@@ -384,17 +385,6 @@ def test_lost_complete_answer_still_commits_once() -> None:
 # --------------------------------------------------------------------------- DCP writer/reader
 
 
-@dataclass(frozen=True)
-class _StoreBackend:
-    """A backend serving one given store (single-process tests only)."""
-
-    store: object = field(compare=False)
-    schemes: tuple[str, ...] = ("memory",)
-
-    def open_store(self, bucket, transfer, retry):
-        return self.store
-
-
 def _state() -> dict:
     g = torch.Generator().manual_seed(1)
     return {
@@ -425,13 +415,13 @@ def _bits_equal(a: dict, b: dict) -> None:
 
 
 def _save(store, uri: str = "memory://bkt/ckpt", **kw) -> CloudWriter:
-    writer = CloudWriter(uri, _StoreBackend(store), transfer=SMALL, retry=FAST_RETRY, **kw)
+    writer = CloudWriter(uri, StoreBackend(store), transfer=SMALL, retry=FAST_RETRY, **kw)
     dcp_cloud.save(_state(), storage_writer=writer)
     return writer
 
 
 def _load(store, uri: str = "memory://bkt/ckpt") -> tuple[dict, CloudReader]:
-    reader = CloudReader(uri, _StoreBackend(store), transfer=SMALL, retry=FAST_RETRY)
+    reader = CloudReader(uri, StoreBackend(store), transfer=SMALL, retry=FAST_RETRY)
     target = _blank(_state())
     dcp_cloud.load(target, storage_reader=reader)
     return target, reader

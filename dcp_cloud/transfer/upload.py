@@ -1,11 +1,19 @@
-"""Streaming upload of one object from a bounded set of part buffers.
+"""Streaming upload of one object in bounded memory, tensor bytes sent in place.
 
 :class:`ObjectWriter` is a write-only stream (``torch.save`` can write to
-it). Bytes are copied into part buffers leased from the engine's pool; each
-full part is uploaded by a worker thread while the caller keeps writing, and
-the caller blocks only when every buffer of the budget is in flight. Small
-objects become one PUT. Any failure aborts the multipart upload, so nothing
-half-written is left behind by a live process.
+it). Two kinds of write build the parts:
+
+* :meth:`ObjectWriter.write` copies into part buffers leased from the
+  engine's pool (headers, pickles, small items);
+* :meth:`ObjectWriter.write_view` borrows the caller's memory (the bytes of
+  a tensor) and uploads it in place: a part is then a list of pieces, e.g. a
+  few header bytes followed by a slice of a tensor, sent without joining.
+
+Each full part is uploaded by a worker thread while the caller keeps
+writing; the caller blocks when ``max_inflight_parts`` parts are in flight
+or the byte budget is spent. Small objects become one PUT. Any failure aborts
+the multipart upload, so nothing half-written is left behind by a live
+process.
 """
 
 from __future__ import annotations
@@ -14,17 +22,23 @@ import io
 import logging
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
-
-import crc32c
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DcpCloudError, PreconditionFailedError, StoreError
+from ..store.payload import Buffer, byte_view, payload_crc32c
 from ..store.protocol import ObjectInfo, PartInfo
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
 
 log = logging.getLogger("dcp_cloud")
+
+#: A borrowed write shorter than this is copied instead (not worth a piece of its own).
+MIN_BORROWED_WRITE = 64 * 1024
+#: Copied bytes up to this long are copied out of the part buffer when a
+#: borrowed write follows them, so the buffer stays with the writer instead of
+#: travelling with a part for a few header bytes.
+_SMALL_COPY = 64 * 1024
 
 
 class ObjectWriter(io.RawIOBase):
@@ -34,14 +48,21 @@ class ObjectWriter(io.RawIOBase):
         super().__init__()
         self._engine = engine
         self._store = engine.store
+        self._pool = engine.pool(part_size)
         self.key = key
         self._part_size = part_size
         self._create_only = create_only
+        # The pending part: ``_pieces`` (``_piece_bytes`` long), then ``_buf[:_fill]``.
         self._buf: bytearray | None = None
         self._fill = 0
+        self._pieces: list[Buffer] = []
+        self._piece_bytes = 0
+        self._leases: list[bytearray] = []  # pool buffers the pending pieces point into
+        self._owners: list[Any] = []  # what keeps borrowed pieces alive
         self._pos = 0
         self._upload_id: str | None = None
         self._parts: list[Future[PartInfo]] = []
+        self._window = threading.Semaphore(max(1, engine.config.max_inflight_parts))
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._finished = False
@@ -57,19 +78,44 @@ class ObjectWriter(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+    def write(self, b: Buffer) -> int:  # type: ignore[override]
+        """Copy ``b`` into part buffers."""
         self._raise_if_failed()
-        mv = memoryview(b).cast("B")
+        mv = byte_view(b)
         total = len(mv)
         while len(mv):
             if self._buf is None:
-                self._buf = self._engine.pool(self._part_size).get()
+                self._buf = self._pool.get()
                 self._fill = 0
-            n = min(len(mv), self._part_size - self._fill)
+            n = min(len(mv), self._part_size - self._piece_bytes - self._fill)
             self._buf[self._fill : self._fill + n] = mv[:n]
             self._fill += n
             mv = mv[n:]
-            if self._fill == self._part_size:
+            if self._piece_bytes + self._fill == self._part_size:
+                self._send_part()
+        self._pos += total
+        return total
+
+    def write_view(self, b: Buffer, owner: Any) -> int:
+        """Upload ``b`` in place, without copying it.
+
+        The caller promises the bytes stay unchanged until :meth:`commit` or
+        :meth:`abort` returns; ``owner`` (e.g. the tensor the view points
+        into) is referenced until every part holding a slice of it is sent.
+        """
+        mv = byte_view(b)
+        if len(mv) < MIN_BORROWED_WRITE:
+            return self.write(mv)
+        self._raise_if_failed()
+        self._seal_copied()
+        total = len(mv)
+        while len(mv):
+            n = min(len(mv), self._part_size - self._piece_bytes)
+            self._pieces.append(mv[:n])
+            self._piece_bytes += n
+            self._owners.append(owner)
+            mv = mv[n:]
+            if self._piece_bytes == self._part_size:
                 self._send_part()
         self._pos += total
         return total
@@ -79,38 +125,67 @@ class ObjectWriter(io.RawIOBase):
         if self._error is not None:
             raise self._error
 
+    def _seal_copied(self) -> None:
+        """Turn the copied bytes of the part buffer into a piece of the pending part."""
+        if self._buf is None or not self._fill:
+            return
+        if self._fill <= _SMALL_COPY:
+            self._pieces.append(bytes(memoryview(self._buf)[: self._fill]))  # keep the buffer
+        else:
+            self._pieces.append(memoryview(self._buf)[: self._fill])
+            self._leases.append(self._buf)
+            self._buf = None
+        self._piece_bytes += self._fill
+        self._fill = 0
+
+    def _take_pending(self) -> tuple[list[Buffer], list[bytearray], list[Any], int]:
+        self._seal_copied()
+        taken = (self._pieces, self._leases, self._owners, self._piece_bytes)
+        self._pieces, self._leases, self._owners, self._piece_bytes = [], [], [], 0
+        return taken
+
+    def _drop_buffer(self) -> None:
+        if self._buf is not None:
+            self._pool.put(self._buf)
+            self._buf = None
+            self._fill = 0
+
+    def _release(self, leases: list[bytearray]) -> None:
+        for buf in leases:
+            self._pool.put(buf)
+
     def _send_part(self) -> None:
-        buf, fill = self._buf, self._fill
-        assert buf is not None
-        self._buf = None
-        if self._upload_id is None:
-            try:
+        pieces, leases, owners, size = self._take_pending()
+        try:
+            if self._upload_id is None:
                 self._upload_id = self._store.create_multipart(self.key)
-            except BaseException:
-                self._engine.pool(self._part_size).put(buf)
-                raise
-        number = len(self._parts) + 1
-        if number > self._store.limits.max_parts:
-            self._engine.pool(self._part_size).put(buf)
-            raise StoreError(
-                f"{self._store.url(self.key)} needs more than {self._store.limits.max_parts} parts of "
-                f"{self._part_size} bytes; raise TransferConfig.part_size"
-            )
-        fut = self._engine.submit(self._upload_part, number, buf, fill)
+            number = len(self._parts) + 1
+            if number > self._store.limits.max_parts:
+                raise StoreError(
+                    f"{self._store.url(self.key)} needs more than {self._store.limits.max_parts} parts of "
+                    f"{self._part_size} bytes; raise TransferConfig.part_size"
+                )
+        except BaseException:
+            self._release(leases)
+            raise
+        self._window.acquire()
+        fut = self._engine.submit(self._upload_part, number, pieces, leases, owners, size)
         fut.add_done_callback(self._on_part_done)
         self._parts.append(fut)
 
-    def _upload_part(self, number: int, buf: bytearray, fill: int) -> PartInfo:
+    def _upload_part(
+        self, number: int, pieces: list[Buffer], leases: list[bytearray], owners: list[Any], size: int
+    ) -> PartInfo:
         try:
             if self._aborted.is_set():
                 raise StoreError(f"{self._store.url(self.key)}: upload aborted")
-            data = memoryview(buf)[:fill]
-            crc = crc32c.crc32c(data) if self._engine.transport_checksums else None
-            info = self._store.put_part(self.key, self._upload_id or "", number, data, crc32c=crc)
-            self._engine.stats.add_written(fill)
+            crc = payload_crc32c([memoryview(p) for p in pieces]) if self._engine.transport_checksums else None
+            info = self._store.put_part(self.key, self._upload_id or "", number, pieces, crc32c=crc)
+            self._engine.stats.add_written(size)
             return info
         finally:
-            self._engine.pool(self._part_size).put(buf)
+            self._release(leases)
+            self._window.release()
 
     def _on_part_done(self, fut: Future[PartInfo]) -> None:
         exc = fut.exception()
@@ -130,23 +205,21 @@ class ObjectWriter(io.RawIOBase):
             self.abort()
             raise
         self._finished = True
+        self._drop_buffer()
         return info
 
     def _commit(self) -> ObjectInfo:
         self._raise_if_failed()
         if self._upload_id is None:
-            buf, fill = self._buf, self._fill
-            self._buf = None
-            data = memoryview(buf)[:fill] if buf is not None else memoryview(b"")
+            pieces, leases, _owners, size = self._take_pending()
             try:
-                crc = crc32c.crc32c(data) if self._engine.transport_checksums else None
-                info = self._store.put(self.key, data, create_only=self._create_only, crc32c=crc)
-                self._engine.stats.add_written(fill)
+                crc = payload_crc32c([memoryview(p) for p in pieces]) if self._engine.transport_checksums else None
+                info = self._store.put(self.key, pieces, create_only=self._create_only, crc32c=crc)
+                self._engine.stats.add_written(size)
                 return info
             finally:
-                if buf is not None:
-                    self._engine.pool(self._part_size).put(buf)
-        if self._buf is not None and self._fill:
+                self._release(leases)
+        if self._piece_bytes or self._fill:
             self._send_part()
         parts = [f.result() for f in self._parts]
         try:
@@ -181,9 +254,9 @@ class ObjectWriter(io.RawIOBase):
                 fut.result()
             except BaseException:
                 pass
-        if self._buf is not None:
-            self._engine.pool(self._part_size).put(self._buf)
-            self._buf = None
+        self._release(self._leases)
+        self._pieces, self._leases, self._owners, self._piece_bytes = [], [], [], 0
+        self._drop_buffer()
         if self._upload_id is not None:
             try:
                 self._store.abort_multipart(self.key, self._upload_id)
