@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -33,7 +38,16 @@ from ..transfer.upload import ObjectWriter
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
-from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_metadata, shard_name, storage_info
+from .layout import (
+    DCP_VERSION,
+    SHARD_SUFFIX,
+    ItemExtras,
+    dump_metadata,
+    load_metadata,
+    shard_name,
+    storage_info,
+)
+from .serialize import save_tensor
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -51,13 +65,21 @@ def _buffer_address(mv: memoryview) -> int:
 
 
 class _ItemTap(io.RawIOBase):
-    """Passes torch.save's writes to the object stream, finding and hashing the raw tensor bytes."""
+    """Passes torch.save's writes to the object stream, finding and hashing the raw tensor bytes.
 
-    def __init__(self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None) -> None:
+    torch.save hands the tensor's bytes to ``write`` as a view of the tensor's
+    own memory (found by address); with ``borrow`` they are uploaded from
+    there (:meth:`ObjectWriter.write_view`), the tensor kept alive until sent.
+    """
+
+    def __init__(
+        self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None, *, borrow: bool = False
+    ) -> None:
         super().__init__()
         self.sink = sink
         self.start = sink.tell()
         self.raw_offset: int | None = None
+        self._tensor = tensor if borrow else None
         self._ptr = tensor.data_ptr() if tensor is not None else 0
         self._nbytes = tensor.nbytes if tensor is not None else -1
         self._hasher = hasher
@@ -69,16 +91,20 @@ class _ItemTap(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        if (
+        raw = (
             self.raw_offset is None
             and len(mv) == self._nbytes
             and (self._nbytes == 0 or _buffer_address(mv) == self._ptr)
-        ):
+        )
+        if raw:
             self.raw_offset = self.sink.tell() - self.start
             if self._hasher is not None:
                 self._hasher.update(mv)
         try:
-            self.sink.write(mv)
+            if raw and self._tensor is not None:
+                self.sink.write_view(mv, self._tensor)
+            else:
+                self.sink.write(mv)
         except BaseException as exc:
             if self.error is None:
                 self.error = exc
@@ -86,18 +112,20 @@ class _ItemTap(io.RawIOBase):
         return len(mv)
 
 
-def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor owning exactly its bytes (torch.save writes the whole storage of a view)."""
+def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A CPU tensor owning exactly its bytes (torch.save writes the whole storage of a view),
+    and whether it is a copy made here (a temporary) rather than the caller's tensor."""
     tensor = tensor.detach()
+    copied = False
     if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
+        tensor, copied = tensor.to("cpu"), True
     if (
         not tensor.is_contiguous()
         or tensor.storage_offset() != 0
         or tensor.untyped_storage().nbytes() != tensor.nbytes
     ):
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
+        tensor, copied = tensor.clone(memory_format=torch.contiguous_format), True
+    return tensor, copied
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -239,10 +267,13 @@ class CloudWriter(CloudBase, StorageWriter):
             raw_offset, checked = None, len(payload)
             del payload
         else:
-            tensor = _host_tensor(data)
-            tap = _ItemTap(stream, tensor, hasher)
+            tensor, temporary = _host_tensor(data)
+            # The caller's tensor is uploaded in place; a temporary host copy is
+            # copied into part buffers instead, so it can be freed at once (kept
+            # alive by in-flight parts, temporaries would add to peak memory).
+            tap = _ItemTap(stream, tensor, hasher, borrow=not temporary)
             try:
-                torch.save(tensor, tap)
+                save_tensor(tensor, tap)
             except BaseException:
                 # torch's zip writer turns an exception of write() into its own
                 # RuntimeError ("unexpected pos ..."): surface the store's typed error.
