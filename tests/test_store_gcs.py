@@ -253,16 +253,18 @@ def test_missing_component_fails_complete_and_deletes_temporaries(gcs_store: GCS
 
 
 def test_failure_in_final_compose(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Transient: intermediates go, parts stay, so a retry completes. Permanent: all go."""
+    """Transient: parts and intermediates stay, and the retry only makes the final compose. Permanent: all go."""
     data = os.urandom(40 * 100)
     upload_id, parts = upload_parts(gcs_store, "k", data, 100)
     real_compose = GCSStore._compose
     failure: list[Exception] = [api_exceptions.ServiceUnavailable("injected")]
+    composed: list[str] = []
 
     def flaky(self, dest, sources, *, create_only=False):
         if dest == "k" and failure:
             assert temporaries(self) != [] and any("/c01-" in n for n in temporaries(self))
             raise failure.pop()
+        composed.append(dest)
         return real_compose(self, dest, sources, create_only=create_only)
 
     monkeypatch.setattr(GCSStore, "_compose", flaky)
@@ -270,17 +272,70 @@ def test_failure_in_final_compose(gcs_store: GCSStore, monkeypatch: pytest.Monke
         gcs_store.complete_multipart("k", upload_id, parts)
     assert isinstance(info.value.__cause__, api_exceptions.ServiceUnavailable)
     left = temporaries(gcs_store)
-    assert len(left) == 41 and not any("/c01-" in n for n in left)  # 40 parts + marker
+    assert len(left) == 43 and sum("/c01-" in n for n in left) == 2  # 40 parts + marker + 2 intermediates
+    assert len(composed) == 2
+    composed.clear()
     assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)  # the retry
+    assert composed == ["k"]  # the intermediates were reused, not composed again
     assert gcs_store.get("k") == data and temporaries(gcs_store) == []
 
     upload_id, parts = upload_parts(gcs_store, "k2", data, 100)
     failure.append(api_exceptions.Forbidden("injected"))
+    composed.clear()
     monkeypatch.setattr(GCSStore, "_compose", lambda self, dest, sources, create_only=False: flaky(
         self, "k" if dest == "k2" else dest, sources, create_only=create_only))
     with pytest.raises(AccessDeniedError):
         gcs_store.complete_multipart("k2", upload_id, parts)
     assert temporaries(gcs_store) == []
+
+
+def test_retried_complete_does_not_redo_finished_intermediates(
+    gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of three intermediates fails: the retry composes only that one and the final object."""
+    data = os.urandom(70 * 50)  # 70 parts: intermediates of 32, 32 and 6 parts
+    upload_id, parts = upload_parts(gcs_store, "k", data, 50)
+    real_compose = GCSStore._compose
+    calls: list[str] = []
+    fail = {"c01-00001"}
+
+    def flaky(self, dest, sources, *, create_only=False):
+        calls.append(dest)
+        for marker in list(fail):
+            if marker in dest:
+                fail.discard(marker)
+                raise api_exceptions.TooManyRequests("injected")
+        return real_compose(self, dest, sources, create_only=create_only)
+
+    monkeypatch.setattr(GCSStore, "_compose", flaky)
+    with pytest.raises(TransientStoreError):
+        gcs_store.complete_multipart("k", upload_id, parts)
+    assert len(calls) == 3  # all three intermediates were tried, one failed
+    calls.clear()
+    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)
+    assert len(calls) == 2 and "c01-00001" in calls[0] and calls[1] == "k"
+    assert gcs_store.get("k") == data and temporaries(gcs_store) == []
+
+
+def test_intermediates_of_re_uploaded_parts_are_not_reused(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part re-uploaded between two completes changes its generation, hence its intermediate's name."""
+    data = bytearray(os.urandom(40 * 50))
+    upload_id, parts = upload_parts(gcs_store, "k", bytes(data), 50)
+    real_compose = GCSStore._compose
+    failure = [api_exceptions.ServiceUnavailable("injected")]
+
+    def flaky(self, dest, sources, *, create_only=False):
+        if dest == "k" and failure:
+            raise failure.pop()
+        return real_compose(self, dest, sources, create_only=create_only)
+
+    monkeypatch.setattr(GCSStore, "_compose", flaky)
+    with pytest.raises(TransientStoreError):
+        gcs_store.complete_multipart("k", upload_id, parts)
+    data[0:50] = os.urandom(50)
+    parts[0] = gcs_store.put_part("k", upload_id, 1, bytes(data[0:50]))
+    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)
+    assert gcs_store.get("k") == bytes(data) and temporaries(gcs_store) == []
 
 
 def test_create_only_complete_onto_existing(gcs_store: GCSStore) -> None:

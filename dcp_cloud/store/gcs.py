@@ -88,15 +88,18 @@ multipart call, so the store maps multipart to composite uploads:
 * :meth:`~GCSStore.complete_multipart` lists the upload's temporaries, checks
   that every requested part exists with the generation in its token, composes
   the parts in order (32 per call; more parts are composed in a tree through
-  intermediate temporaries ``{key}.dcp-parts/{id}/c{level:02d}-{index:05d}``,
+  intermediate temporaries ``{key}.dcp-parts/{id}/c{level:02d}-{index:05d}-{digest}``,
   each level in parallel), makes the final compose with
   ``ifGenerationMatch=0`` when ``create_only`` and ``ifSourceGenerationMatch``
-  on the parts, and then deletes every temporary of the upload. On failure it
-  deletes the intermediates; it also deletes the parts and the marker (releasing
-  the upload) unless the failure is transient (:class:`TransientStoreError`):
-  then the parts stay so that the retry loop can call complete again, and
-  :meth:`abort_multipart` (or a sweep with :meth:`list_multipart`) removes them
-  if it gives up;
+  on the parts, and then deletes every temporary of the upload. A transient
+  failure (:class:`TransientStoreError`) keeps the parts and every finished
+  intermediate, so the retry loop's next call of complete goes on where this
+  one stopped: an intermediate's ``digest`` covers its sources' names and
+  generations, so one that exists is exactly the compose needed (compose is
+  atomic) and is not made again. Any other failure deletes the parts, the
+  intermediates and the marker (releasing the upload).
+  :meth:`abort_multipart` (or a sweep with :meth:`list_multipart`) removes
+  what a transient failure left if the retry loop gives up;
 * :meth:`~GCSStore.abort_multipart` deletes everything under
   ``{key}.dcp-parts/{id}/``; :meth:`~GCSStore.list_multipart` finds uploads by
   listing the prefix and parsing those names.
@@ -132,6 +135,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import http.client
+import hashlib
 import io
 import logging
 import os
@@ -357,6 +361,13 @@ def _translate(exc: BaseException, bucket: str, key: str | None, *, missing: str
     if status in _TRANSIENT_STATUS:
         return TransientStoreError(f"GCS answered {detail} for {where}; the request can be retried")
     return StoreError(f"GCS request for {where} failed ({detail})")
+
+
+def _intermediate_name(prefix: str, level: int, index: int, sources: Sequence[tuple[str, int]]) -> str:
+    """The temporary composed from ``sources``: the name covers them and their generations,
+    so an existing object of that name is exactly that compose (compose is atomic)."""
+    digest = hashlib.sha256("\n".join(f"{name}#{generation}" for name, generation in sources).encode()).hexdigest()
+    return f"{prefix}c{level:02d}-{index:05d}-{digest[:16]}"
 
 
 # --------------------------------------------------------------------------- buffers
@@ -895,26 +906,34 @@ class GCSStore:
                 while len(sources) > COMPOSE_MAX_SOURCES:
                     level += 1
                     groups = [
-                        (f"{prefix}c{level:02d}-{index:05d}", sources[i : i + COMPOSE_MAX_SOURCES])
+                        (_intermediate_name(prefix, level, index, sources[i : i + COMPOSE_MAX_SOURCES]),
+                         sources[i : i + COMPOSE_MAX_SOURCES])
                         for index, i in enumerate(range(0, len(sources), COMPOSE_MAX_SOURCES))
-                    ]
+                    ]  # fmt: skip
                     intermediates.extend(name for name, _ in groups)
-                    composed = self._parallel(lambda g: self._compose(g[0], g[1]), groups)
-                    sources = [(blob.name, int(blob.generation)) for blob in composed]
+                    # A retried complete reuses what an earlier attempt composed:
+                    # an intermediate's name covers its sources and their generations.
+                    todo = [g for g in groups if g[0] not in existing]
+                    made = {blob.name: int(blob.generation) for blob in self._parallel(self._compose_group, todo)}
+                    known = {**existing, **made}
+                    sources = [(name, known[name]) for name, _ in groups]
                 final = self._compose(key, sources, create_only=create_only)
                 result = ObjectInfo(key, int(final.size), str(final.generation), _epoch(final.updated))
             released = True
         except Exception as exc:
             err = self._error(exc, key, missing="either")
-            # A transient failure keeps the parts so complete can be retried;
-            # anything else releases the upload.
-            doomed = intermediates if isinstance(err, TransientStoreError) else [*existing, *intermediates]
-            self._cleanup(doomed, key)
+            # A transient failure keeps the parts and finished intermediates, so a
+            # retry of complete goes on from there; anything else releases the upload.
+            if not isinstance(err, TransientStoreError):
+                self._cleanup([*existing, *intermediates], key)
             raise err from exc
         finally:
             if released:
                 self._cleanup([*existing, *intermediates], key)
         return result
+
+    def _compose_group(self, group: tuple[str, Sequence[tuple[str, int]]]) -> storage.Blob:
+        return self._compose(group[0], group[1])
 
     def _cleanup(self, names: Sequence[str], key: str) -> None:
         """Delete temporaries, best effort: a leftover is logged (list_multipart finds it), never raised."""
