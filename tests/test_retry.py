@@ -460,6 +460,36 @@ def test_dcp_bytes_corrupted_in_flight_are_never_loaded() -> None:
         _load(faulty)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_dcp_bytes_corrupted_in_flight_once_are_read_again(seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A mismatch from damage on the way is healed by reading the bad block once more, counted as a retry."""
+    mem = MemoryStore()
+    _save(mem)
+    faulty = FaultyStore(mem, StoreFaultPlan(corrupt_reads=0.4, seed=seed, max_faults=1))
+    target, reader = _load(faulty)
+    _bits_equal(target, _state())
+    assert faulty.injected == 1
+    assert reader.stats.retries == 1  # one block read again
+    assert "checksum mismatch in 1 block(s)" in caplog.text
+
+
+def test_dcp_stored_damage_fails_after_one_reread() -> None:
+    mem = MemoryStore()
+    _save(mem)
+    shard = _largest_shard(mem)
+    flip_byte(mem, shard, mem.head(shard).size // 2)
+    counting = FaultyStore(mem, StoreFaultPlan())
+    with pytest.raises(ChecksumMismatchError, match="corrupted"):
+        _load(counting)
+    reads_with_damage = counting.counts()[0]["read_into"]
+    clean = MemoryStore()
+    _save(clean)
+    counting_clean = FaultyStore(clean, StoreFaultPlan())
+    _load(counting_clean)
+    # the damaged item was read twice, then the load stopped
+    assert reads_with_damage <= counting_clean.counts()[0]["read_into"] + 3
+
+
 def _largest_shard(store: MemoryStore) -> str:
     return max((o for o in store.list("ckpt/") if o.key.endswith(".distcp")), key=lambda o: o.size).key
 

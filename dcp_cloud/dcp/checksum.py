@@ -67,6 +67,27 @@ def verify_blocks(
             )
 
 
+def bad_blocks(
+    pieces: Sequence[tuple[int, memoryview]], block_size: int, checked_length: int, crcs: bytes
+) -> list[tuple[int, int]]:
+    """``(start, end)`` offsets of every block covered by ``pieces`` whose CRC does not match."""
+    return [
+        (start, end)
+        for block, crc, start, end in _block_crcs(pieces, block_size, checked_length)
+        if crc != int.from_bytes(crcs[4 * block : 4 * block + 4], "big")
+    ]
+
+
+def slice_pieces(pieces: Sequence[tuple[int, memoryview]], start: int, end: int) -> list[memoryview]:
+    """The parts of ``pieces`` (sorted ``(offset, bytes)`` runs) that hold offsets ``start..end``."""
+    outs = []
+    for offset, data in pieces:
+        lo, hi = max(start, offset), min(end, offset + len(data))
+        if lo < hi:
+            outs.append(data[lo - offset : hi - offset])
+    return outs
+
+
 def _block_crcs(
     pieces: Iterable[tuple[int, memoryview]], block_size: int, checked_length: int
 ) -> Iterable[tuple[int, int, int, int]]:

@@ -39,12 +39,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from ..config import RetryConfig, TransferConfig
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError, ObjectNotFoundError
+from ..errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DcpCloudError,
+    ObjectNotFoundError,
+)
 from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from .backend import Backend
 from .base import CloudBase, log
-from .checksum import verify_blocks
+from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .layout import ItemExtras, extras_of, load_metadata, transform_descriptors
 
 
@@ -266,10 +272,7 @@ class CloudReader(CloudBase, StorageReader):
         def finish() -> None:
             if verify:
                 assert extras is not None
-                verify_blocks(
-                    [(0, memoryview(buf))], extras.block_size, extras.checked_length, extras.crcs,
-                    describe=what, base_offset=info.offset,
-                )
+                self._verify(engine, key, info.offset, [(0, memoryview(buf))], extras, what)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(buf))
                 return
@@ -345,12 +348,39 @@ class CloudReader(CloudBase, StorageReader):
 
         def finish() -> None:
             if verify:
-                verify_blocks(
-                    pieces, extras.block_size, extras.checked_length, extras.crcs, describe=what, base_offset=base
-                )
+                self._verify(engine, key, base, pieces, extras, what)
             self._commit(planner, req, target, None if direct else dest, what)
 
         return _Pending(futures, finish, lease, what, keep=[dest, scratch])
+
+    def _verify(
+        self,
+        engine: TransferEngine,
+        key: str,
+        base: int,
+        pieces: list[tuple[int, memoryview]],
+        extras: ItemExtras,
+        what: str,
+    ) -> None:
+        """Check ``pieces`` (offsets relative to object offset ``base``) against the stored CRCs.
+
+        A mismatch can come from bytes damaged on the way (a faulty NIC, proxy
+        or driver) rather than at rest, so the mismatching blocks are read once
+        more, in place, before anything is raised; a second mismatch means the
+        stored bytes are damaged.
+        """
+        args = (extras.block_size, extras.checked_length, extras.crcs)
+        bad = bad_blocks(pieces, *args)
+        if not bad:
+            return
+        log.warning("checksum mismatch in %d block(s) of %s; reading them once more", len(bad), what)
+        futures = []
+        for start, end in bad:
+            self._recorder.on_retry("read", ChecksumMismatchError(what))
+            futures.extend(engine.read(key, base + start, slice_pieces(pieces, start, end)))
+        for fut in futures:
+            fut.result()
+        verify_blocks(pieces, *args, describe=what, base_offset=base)
 
     @staticmethod
     def _commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
