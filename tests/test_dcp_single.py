@@ -150,6 +150,10 @@ def test_second_save_without_overwrite_is_refused(backend) -> None:
     with pytest.raises(CheckpointExistsError):
         dcp_cloud.save(state, checkpoint_id=other, storage_writer=reused)
     assert {k: backend.get(uri, k) for k in backend.keys(uri)} == before  # nothing touched
+    other_before = backend.keys(other)
+    with pytest.raises(CheckpointExistsError, match="reused without a new checkpoint_id"):
+        dcp_cloud.save(state, storage_writer=reused)  # no checkpoint_id, so no reset(): set-up refuses
+    assert backend.keys(other) == other_before  # refused before any shard was written
 
 
 def test_overwrite_replaces_and_leaves_no_stale_shards(backend, assert_same) -> None:

@@ -184,6 +184,8 @@ class CloudWriter(CloudBase, StorageWriter):
         """Check the target before any collective step, so typed errors reach the caller."""
         self.save_id = str(uuid.uuid4())
         self._set_up = False
+        #: Whether the target was not checked for a committed checkpoint since the last save started.
+        self._unchecked = True
         self._recorder.reset()
         self._started = time.perf_counter()
         # Refuse a part size the store cannot take now, not at the first part of write_data.
@@ -194,6 +196,7 @@ class CloudWriter(CloudBase, StorageWriter):
                 f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True to replace "
                 "it, or save under a new checkpoint_id"
             )
+        self._unchecked = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -211,6 +214,14 @@ class CloudWriter(CloudBase, StorageWriter):
         self._set_up = True
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = is_coordinator
+        unchecked, self._unchecked = self._unchecked, True  # the next save without reset() checks here
+        if unchecked and is_coordinator and not self.overwrite and self._metadata_exists():
+            # Same checkpoint_id as the last save: refuse now, before any rank writes a shard
+            # (torch runs this step on every rank and hands this error to all of them).
+            raise CheckpointExistsError(
+                f"{self.checkpoint_id} already holds a committed checkpoint (this writer was reused without a "
+                "new checkpoint_id); pass checkpoint_id= to dcp.save, or build the writer with overwrite=True"
+            )
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else 0
 
