@@ -11,7 +11,9 @@ fake-gcs-server emulator when installed) and puts
 fresh checkpoint of ``--size-mb`` MiB (random fp32 tensors) and loads it back
 while the proxy fails ``--rate`` of all requests in one way (503 SlowDown, 429,
 500, connection reset, truncated body, stalled response), or in all of them
-mixed (each kind ``rate / 6``), plus a fault-free reference row.
+mixed (each kind ``rate / 6``), or in all of them at once with each kind at
+``--rate`` (``every``: six times ``--rate`` of all requests fail), plus a
+fault-free reference row.
 
 Columns: the injected rate; requests the proxy saw (save + load); faults it
 injected; retries the writer and reader reported (``stats.retries``); whether
@@ -133,9 +135,11 @@ def _run_row(backend: str, bucket: str, proxy: Any, extra: dict[str, Any], kind:
     import dcp_cloud
     from dcp_cloud.testing.proxy import FaultPlan
 
-    rate = 0.0 if kind == "none" else args.rate
+    rate = {"none": 0.0, "every": args.rate * len(KINDS)}.get(kind, args.rate)
     if kind == "none":
         plan = FaultPlan()
+    elif kind == "every":
+        plan = FaultPlan.every_kind(args.rate, seed=args.seed, stall_seconds=args.stall_seconds)
     elif kind == "mixed":
         plan = FaultPlan.every_kind(args.rate / len(KINDS), seed=args.seed, stall_seconds=args.stall_seconds)
     else:
@@ -199,7 +203,11 @@ def _table(backend: str, rows: list[Row], args: argparse.Namespace) -> str:
         "|---|---:|---:|---:|---:|---|---|---:|---|---:|",
     ]
     for r in rows:
-        name = {"none": "none (reference)", "mixed": "all kinds mixed"}.get(r.kind, r.kind)
+        name = {
+            "none": "none (reference)",
+            "mixed": "all kinds mixed",
+            "every": f"every kind at once, {args.rate:.0%} each",
+        }.get(r.kind, r.kind)
         lines.append(
             f"| {name} | {r.rate:.1%} | {r.requests} | {r.faults} | {r.retries} | {yes(r.save_ok)} | "
             f"{yes(r.load_ok)} | {r.verified / MiB:.1f} MiB | {yes(r.equal)} | {r.seconds:.1f} |"
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=int, default=64, help="checkpoint size per row (default 64)")
     parser.add_argument("--tensors", type=int, default=8, help="fp32 tensors the size is split into (default 8)")
     parser.add_argument("--rate", type=float, default=0.05, help="fraction of requests faulted (default 0.05)")
-    parser.add_argument("--kinds", default=",".join(("none", *KINDS, "mixed")), help="rows, comma-separated")
+    parser.add_argument("--kinds", default=",".join(("none", *KINDS, "mixed", "every")), help="rows, comma-separated")
     parser.add_argument("--backends", default=None, help="s3,gcs (default: s3, and gcs if the emulator is installed)")
     parser.add_argument("--part-kb", type=int, default=1024, help="multipart part and read chunk size (default 1024)")
     parser.add_argument("--concurrency", type=int, default=4, help="transfer threads (default 4)")

@@ -20,8 +20,6 @@ Contenders:
                        straight into the destination tensors), with the same client settings;
 * ``stock_fs_t1/_t4``  torch's FileSystemWriter(thread_count=1/4)/FileSystemReader on local disk;
 * ``dcp_cloud_local``  LocalWriter/LocalReader (file://) on the same local disk;
-* ``dcp_cloud_nozipcrc`` (opt-in) ``dcp_cloud`` with torch.save's per-record zip CRC32 turned
-                       off (``torch.serialization.set_crc32_options(False)``) in the saving process;
 * ``s3torchconnector`` (S3 only, with ``--s3tc-python``) its DCP writer/reader, run by
                        another interpreter (a virtualenv that has s3torchconnector).
 """
@@ -46,8 +44,8 @@ import _common as C  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
-ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_nozipcrc")
-CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "dcp_cloud_nozipcrc", "wire", "s3torchconnector"}
+ALL_CONTENDERS = DEFAULT_CONTENDERS
+CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "s3torchconnector"}
 LABELS = {
     "dcp_cloud": "dcp_cloud (checksums on)",
     "dcp_cloud_nocrc": "dcp_cloud (checksums off)",
@@ -55,7 +53,6 @@ LABELS = {
     "stock_fs_t1": "stock FileSystemWriter t=1 (local disk)",
     "stock_fs_t4": "stock FileSystemWriter t=4 (local disk)",
     "dcp_cloud_local": "dcp_cloud LocalWriter (local disk)",
-    "dcp_cloud_nozipcrc": "dcp_cloud, torch.save zip CRC32 off",
     "s3torchconnector": "s3torchconnector DCP (t=4)",
 }
 
@@ -393,8 +390,6 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _preload(spec)
     sd = C.make_state_dict(spec["size_mb"], spec["tensors"], fill="rand", seed=spec["seed"])
-    if spec["contender"] == "dcp_cloud_nozipcrc":
-        torch.serialization.set_crc32_options(False)
     probe = C.PeakProbe()
     probe.start()
     extra: dict[str, Any] = {}
@@ -453,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds over all contenders (default 3)")
     p.add_argument(
         "--contenders", default=",".join(DEFAULT_CONTENDERS),
-        help=f"comma-separated subset of {','.join(ALL_CONTENDERS)} (default: all but dcp_cloud_nozipcrc; "
+        help=f"comma-separated subset of {','.join(ALL_CONTENDERS)} (default: all; "
         "s3torchconnector is added by --s3tc-python)",
     )  # fmt: skip
     p.add_argument("--part-mb", type=float, default=d.part_size / C.MiB, help="TransferConfig.part_size in MiB")
@@ -549,7 +544,6 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
     ratio_row("dcp_cloud / wire", "dcp_cloud", "wire", ">= 0.80")
     ratio_row("dcp_cloud (checksums off) / wire", "dcp_cloud_nocrc", "wire", "")
     ratio_row("checksums on / off", "dcp_cloud", "dcp_cloud_nocrc", ">= 0.95 (checksums cost < 5%)")
-    ratio_row("torch.save zip CRC32 off / on", "dcp_cloud_nozipcrc", "dcp_cloud", "")
     ratio_row("dcp_cloud local / stock t=1", "dcp_cloud_local", "stock_fs_t1", "")
     ratio_row("dcp_cloud / s3torchconnector", "dcp_cloud", "s3torchconnector", "")
     out = head + table
