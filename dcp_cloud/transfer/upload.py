@@ -176,6 +176,8 @@ class ObjectWriter(io.RawIOBase):
     def _upload_part(
         self, number: int, pieces: list[Buffer], leases: list[bytearray], owners: list[Any], size: int
     ) -> PartInfo:
+        """Send one part (a worker thread). ``owners`` is only held: it keeps the memory
+        of borrowed pieces alive until the part is sent."""
         try:
             if self._aborted.is_set():
                 raise StoreError(f"{self._store.url(self.key)}: upload aborted")
