@@ -297,6 +297,9 @@ def test_transport_checksums_are_sent(s3_store: S3Store) -> None:
     put = seen[-1]
     assert put.headers["x-amz-checksum-crc32c"] == expected.encode() or put.headers["x-amz-checksum-crc32c"] == expected
     assert "x-amz-checksum-crc32" not in put.headers  # boto3 computed nothing of its own
+    s3_store.put("pieces", [data[:1000], memoryview(data)[1000:]])  # crc computed by the store
+    assert seen[-1].headers["x-amz-checksum-crc32c"] in (expected, expected.encode())
+    assert s3_store.get("pieces") == data
 
     upload_id = s3_store.create_multipart("mp")
     assert seen[-1].headers.get("x-amz-checksum-algorithm") in ("CRC32C", b"CRC32C")

@@ -89,8 +89,9 @@ class ObjectStore(Protocol):
 
         ``data`` is one buffer or a list of buffers forming the body in order
         (see :mod:`dcp_cloud.store.payload`); stores send it without joining
-        it. ``crc32c`` (of the whole body) is sent to the server where the API allows, so
-        corruption in flight is rejected by the server.
+        it. Stores whose API takes a checksum send the body's CRC32C, so
+        corruption in flight is rejected by the server; they compute it unless
+        ``crc32c`` (of the whole body) is given. Stores without one ignore it.
         """
         ...
 

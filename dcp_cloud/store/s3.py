@@ -539,6 +539,8 @@ class S3Store:
         body, views = _body(data)
         size = payload_size(views)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": body, "ContentLength": size}
+        if self.config.transport_checksums and crc32c is None:
+            crc32c = payload_crc32c(views)
         kwargs.update(self._checksum_args(crc32c))
         if create_only:
             kwargs["IfNoneMatch"] = "*"

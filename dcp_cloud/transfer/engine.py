@@ -58,7 +58,6 @@ class TransferEngine:
         config: TransferConfig,
         retry: RetryConfig,
         *,
-        transport_checksums: bool = True,
         hooks: RetryHooks | None = None,
         recorder: StatsRecorder | None = None,
     ) -> None:
@@ -69,7 +68,6 @@ class TransferEngine:
         hooks.on_retry = self.recorder.on_retry
         self.store = RetryingStore(store, retry, hooks)
         self.budget = ByteBudget(config.memory_budget)
-        self.transport_checksums = transport_checksums
         self._pools: dict[int, BufferPool] = {}
         self._pools_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.concurrency, thread_name_prefix="dcp_cloud")

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DcpCloudError, PreconditionFailedError, StoreError
-from ..store.payload import Buffer, byte_view, payload_crc32c
+from ..store.payload import Buffer, byte_view
 from ..store.protocol import ObjectInfo, PartInfo
 
 if TYPE_CHECKING:
@@ -181,8 +181,7 @@ class ObjectWriter(io.RawIOBase):
         try:
             if self._aborted.is_set():
                 raise StoreError(f"{self._store.url(self.key)}: upload aborted")
-            crc = payload_crc32c([memoryview(p) for p in pieces]) if self._engine.transport_checksums else None
-            info = self._store.put_part(self.key, self._upload_id or "", number, pieces, crc32c=crc)
+            info = self._store.put_part(self.key, self._upload_id or "", number, pieces)
             self._engine.stats.add_written(size)
             return info
         finally:
@@ -215,8 +214,7 @@ class ObjectWriter(io.RawIOBase):
         if self._upload_id is None:
             pieces, leases, _owners, size = self._take_pending()
             try:
-                crc = payload_crc32c([memoryview(p) for p in pieces]) if self._engine.transport_checksums else None
-                info = self._store.put(self.key, pieces, create_only=self._create_only, crc32c=crc)
+                info = self._store.put(self.key, pieces, create_only=self._create_only)
                 self._engine.stats.add_written(size)
                 return info
             finally:
