@@ -20,6 +20,8 @@ Contenders:
                        straight into the destination tensors), with the same client settings;
 * ``stock_fs_t1/_t4``  torch's FileSystemWriter(thread_count=1/4)/FileSystemReader on local disk;
 * ``dcp_cloud_local``  LocalWriter/LocalReader (file://) on the same local disk;
+* ``dcp_cloud_local_nocrc`` (opt-in) the same with checksums off: with no network in the way,
+                       the worst case for what checksumming costs;
 * ``s3torchconnector`` (S3 only, with ``--s3tc-python``) its DCP writer/reader, run by
                        another interpreter (a virtualenv that has s3torchconnector).
 """
@@ -44,7 +46,8 @@ import _common as C  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
-ALL_CONTENDERS = DEFAULT_CONTENDERS
+ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_local_nocrc")
+LOCAL = ("dcp_cloud_local", "dcp_cloud_local_nocrc")
 CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "s3torchconnector"}
 LABELS = {
     "dcp_cloud": "dcp_cloud (checksums on)",
@@ -53,6 +56,7 @@ LABELS = {
     "stock_fs_t1": "stock FileSystemWriter t=1 (local disk)",
     "stock_fs_t4": "stock FileSystemWriter t=4 (local disk)",
     "dcp_cloud_local": "dcp_cloud LocalWriter (local disk)",
+    "dcp_cloud_local_nocrc": "dcp_cloud LocalWriter, checksums off",
     "s3torchconnector": "s3torchconnector DCP (t=4)",
 }
 
@@ -333,8 +337,10 @@ def _dcp_writer(spec: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint import FileSystemWriter
 
         return FileSystemWriter(spec["path"], thread_count=1 if c == "stock_fs_t1" else 4)
-    if c == "dcp_cloud_local":
-        return dcp_cloud.LocalWriter("file://" + spec["path"], transfer=_transfer_config(spec))
+    if c in LOCAL:
+        return dcp_cloud.LocalWriter(
+            "file://" + spec["path"], transfer=_transfer_config(spec), checksums=c == "dcp_cloud_local"
+        )
     cls = dcp_cloud.S3Writer if spec["backend"] == "s3" else dcp_cloud.GCSWriter
     return cls(spec["uri"], transfer=_transfer_config(spec), checksums=c != "dcp_cloud_nocrc")
 
@@ -347,8 +353,10 @@ def _dcp_reader(spec: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(spec["path"])
-    if c == "dcp_cloud_local":
-        return dcp_cloud.LocalReader("file://" + spec["path"], transfer=_transfer_config(spec))
+    if c in LOCAL:
+        return dcp_cloud.LocalReader(
+            "file://" + spec["path"], transfer=_transfer_config(spec, verify_checksums=c == "dcp_cloud_local")
+        )
     cls = dcp_cloud.S3Reader if spec["backend"] == "s3" else dcp_cloud.GCSReader
     return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c != "dcp_cloud_nocrc"))
 
@@ -545,6 +553,7 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
     ratio_row("dcp_cloud (checksums off) / wire", "dcp_cloud_nocrc", "wire", "")
     ratio_row("checksums on / off", "dcp_cloud", "dcp_cloud_nocrc", ">= 0.95 (checksums cost < 5%)")
     ratio_row("dcp_cloud local / stock t=1", "dcp_cloud_local", "stock_fs_t1", "")
+    ratio_row("local disk: checksums on / off", "dcp_cloud_local", "dcp_cloud_local_nocrc", "")
     ratio_row("dcp_cloud / s3torchconnector", "dcp_cloud", "s3torchconnector", "")
     out = head + table
     if ratios:
