@@ -535,3 +535,17 @@ def test_faulty_store_plan_validation() -> None:
         StoreFaultPlan(fail_nth={"put": 0})
     with pytest.raises(ValueError):
         StoreFaultPlan(transient=0.6, lost_answer=0.6)
+
+
+@pytest.mark.parametrize("chunk", [10_000, 100_003, 16 * KiB])
+def test_verified_reads_split_at_block_boundaries_for_any_read_chunk_size(chunk: int) -> None:
+    """Each read piece is verified by the worker that read it, so pieces are cut on block boundaries."""
+    import dataclasses as dc
+
+    mem = MemoryStore()
+    _save(mem)
+    reader = CloudReader("memory://bkt/ckpt", StoreBackend(mem), transfer=dc.replace(SMALL, read_chunk_size=chunk))
+    target = _blank(_state())
+    dcp_cloud.load(target, storage_reader=reader)
+    _bits_equal(target, _state())
+    assert reader.stats.retries == 0

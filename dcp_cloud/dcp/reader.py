@@ -266,13 +266,13 @@ class CloudReader(CloudBase, StorageReader):
         """Read a whole stored item: bytes items, and tensors written by stock torch."""
         self._lease(engine, info.length, pending)
         buf = bytearray(info.length)
-        futures = engine.read(key, info.offset, [memoryview(buf)])
-        verify = self.transfer.verify_checksums and extras is not None and extras.block_size > 0
+        if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
+            check = self._checker(engine, key, info.offset, 0, extras, what)
+            futures = engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check)
+        else:
+            futures = engine.read(key, info.offset, [memoryview(buf)])
 
         def finish() -> None:
-            if verify:
-                assert extras is not None
-                self._verify(engine, key, info.offset, [(0, memoryview(buf))], extras, what)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(buf))
                 return
@@ -322,7 +322,6 @@ class CloudReader(CloudBase, StorageReader):
         scratch = memoryview(bytearray(scratch_bytes))
         base = info.offset + extras.raw_offset
         futures: list[Future[None]] = []
-        pieces: list[tuple[int, memoryview]] = []
         used = 0
         starts = src.tolist()
         for span_start, span_end, first, end in spans:
@@ -334,53 +333,53 @@ class CloudReader(CloudBase, StorageReader):
                     gap = scratch[used : used + run_start - cursor]
                     used += len(gap)
                     outs.append(gap)
-                    pieces.append((cursor, gap))
                 piece = dest_bytes[i * run_nbytes : (i + 1) * run_nbytes]
                 outs.append(piece)
-                pieces.append((run_start, piece))
                 cursor = run_start + run_nbytes
             if cursor < span_end:
                 tail = scratch[used : used + span_end - cursor]
                 used += len(tail)
                 outs.append(tail)
-                pieces.append((cursor, tail))
-            futures.extend(engine.read(key, base + span_start, outs))
+            if verify:
+                check = self._checker(engine, key, base, span_start, extras, what)
+                futures.extend(engine.read(key, base + span_start, outs, align=extras.block_size, check=check))
+            else:
+                futures.extend(engine.read(key, base + span_start, outs))
 
         def finish() -> None:
-            if verify:
-                self._verify(engine, key, base, pieces, extras, what)
             self._commit(planner, req, target, None if direct else dest, what)
 
         return _Pending(futures, finish, lease, what, keep=[dest, scratch])
 
-    def _verify(
-        self,
-        engine: TransferEngine,
-        key: str,
-        base: int,
-        pieces: list[tuple[int, memoryview]],
-        extras: ItemExtras,
-        what: str,
-    ) -> None:
-        """Check ``pieces`` (offsets relative to object offset ``base``) against the stored CRCs.
+    def _checker(
+        self, engine: TransferEngine, key: str, base: int, region_start: int, extras: ItemExtras, what: str
+    ) -> Callable[[int, list[memoryview]], None]:
+        """A check for :meth:`TransferEngine.read` of the checked region at object offset ``base``,
+        for a read starting ``region_start`` bytes into it (a block boundary).
 
-        A mismatch can come from bytes damaged on the way (a faulty NIC, proxy
-        or driver) rather than at rest, so the mismatching blocks are read once
-        more, in place, before anything is raised; a second mismatch means the
-        stored bytes are damaged.
+        It runs in the worker that read the piece. A mismatch can come from
+        bytes damaged on the way (a faulty NIC, proxy or driver) rather than at
+        rest, so the mismatching blocks are read once more, in place, before
+        anything is raised; a second mismatch means the stored bytes are damaged.
         """
         args = (extras.block_size, extras.checked_length, extras.crcs)
-        bad = bad_blocks(pieces, *args)
-        if not bad:
-            return
-        log.warning("checksum mismatch in %d block(s) of %s; reading them once more", len(bad), what)
-        futures = []
-        for start, end in bad:
-            self._recorder.on_retry("read", ChecksumMismatchError(what))
-            futures.extend(engine.read(key, base + start, slice_pieces(pieces, start, end)))
-        for fut in futures:
-            fut.result()
-        verify_blocks(pieces, *args, describe=what, base_offset=base)
+
+        def check(offset: int, outs: list[memoryview]) -> None:
+            pieces = []
+            pos = region_start + offset
+            for view in outs:
+                pieces.append((pos, view))
+                pos += len(view)
+            bad = bad_blocks(pieces, *args)
+            if not bad:
+                return
+            log.warning("checksum mismatch in %d block(s) of %s; reading them once more", len(bad), what)
+            for start, end in bad:
+                self._recorder.on_retry("read", ChecksumMismatchError(what))
+                engine.store.read_into(key, base + start, slice_pieces(pieces, start, end))
+            verify_blocks(pieces, *args, describe=what, base_offset=base)
+
+        return check
 
     @staticmethod
     def _commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:

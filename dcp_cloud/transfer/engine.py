@@ -113,13 +113,40 @@ class TransferEngine:
         return ObjectWriter(self, key, self.part_size_for(size_hint), create_only=create_only)
 
     # -- reads ------------------------------------------------------------
-    def read(self, key: str, start: int, outs: Sequence[memoryview]) -> list[Future[None]]:
-        """Scatter-read ``key`` from ``start`` into ``outs``, in parallel pieces of ``read_chunk_size``."""
+    def read(
+        self,
+        key: str,
+        start: int,
+        outs: Sequence[memoryview],
+        *,
+        align: int = 1,
+        check: Callable[[int, list[memoryview]], None] | None = None,
+    ) -> list[Future[None]]:
+        """Scatter-read ``key`` from ``start`` into ``outs``, in parallel pieces of ``read_chunk_size``.
+
+        Pieces are cut at multiples of ``align`` from ``start`` (e.g. the
+        checksum block size, so each piece holds whole blocks). ``check``, if
+        given, is called by the worker that read a piece, with the piece's
+        offset from ``start`` and its views, so verification runs in parallel
+        and overlaps the reads still in flight.
+        """
+        chunk = self.config.read_chunk_size
+        if align > 1:
+            chunk = max(align, chunk // align * align)
         futures = []
-        for offset, piece in split_outs(outs, self.config.read_chunk_size):
-            futures.append(self.submit(self._read_piece, key, start + offset, piece))
+        for offset, piece in split_outs(outs, chunk):
+            futures.append(self.submit(self._read_piece, key, start + offset, piece, offset, check))
         return futures
 
-    def _read_piece(self, key: str, start: int, outs: list[memoryview]) -> None:
+    def _read_piece(
+        self,
+        key: str,
+        start: int,
+        outs: list[memoryview],
+        offset: int,
+        check: Callable[[int, list[memoryview]], None] | None,
+    ) -> None:
         self.store.read_into(key, start, outs)
         self.recorder.add_read(sum(len(o) for o in outs))
+        if check is not None:
+            check(offset, outs)
