@@ -8,13 +8,7 @@ import random
 import crc32c
 import pytest
 
-from dcp_cloud.store.payload import (
-    ScatterReader,
-    byte_view,
-    payload_crc32c,
-    payload_size,
-    payload_views,
-)
+from dcp_cloud.store.payload import ScatterReader, byte_view, payload_crc32c, payload_size, payload_views
 
 
 def _pieces() -> tuple[list[bytes], bytes]:

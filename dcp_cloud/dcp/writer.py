@@ -22,12 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -38,15 +33,7 @@ from ..transfer.upload import ObjectWriter
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
-from .layout import (
-    DCP_VERSION,
-    SHARD_SUFFIX,
-    ItemExtras,
-    dump_metadata,
-    load_metadata,
-    shard_name,
-    storage_info,
-)
+from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_metadata, shard_name, storage_info
 from .serialize import save_tensor
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
