@@ -134,8 +134,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import http.client
 import hashlib
+import http.client
 import io
 import logging
 import os
