@@ -13,8 +13,8 @@ peak - baseline: memory the operation added on top of the tensors.
 
 dcp_cloud is run with the default TransferConfig and with a small budget
 (``--small-part-mb`` x ``--small-inflight``, 8 MiB x 4 by default), and once
-more with the default config on a state dict whose tensors are slices of one
-flat buffer (``dcp_copied``): the writer then copies each tensor to a
+more with the default config on a state dict whose tensors are
+non-contiguous views (``dcp_copied``): the writer then copies each tensor to a
 temporary and sends it through part buffers, the path GPU tensors take, so
 the budget is what bounds memory there (CPU tensors of their own are sent in
 place and need almost none of it). The issue's
@@ -109,14 +109,12 @@ def _run(spec: dict[str, Any], op: str) -> dict[str, Any]:
     fill = "rand" if op == "save" else "zeros"
     sd = C.make_state_dict(spec["size_mb"], spec["tensors"], fill=fill, seed=spec["seed"])
     if op == "save" and spec["contender"] == "dcp_copied":
-        # The same values as views into one flat buffer: each is copied to a temporary when saved.
-        flat = torch.empty(sum(t.numel() for t in sd.values()), dtype=torch.float32)
-        offset = 0
+        # The same values as non-contiguous views (every other element of a buffer twice
+        # the size): the writer copies each to a temporary, as it does for GPU tensors.
         for name in list(sd):
-            n = sd[name].numel()
-            flat[offset : offset + n].copy_(sd[name])
-            sd[name] = flat[offset : offset + n]
-            offset += n
+            spread = torch.zeros(2 * sd[name].numel(), dtype=torch.float32)
+            spread[::2].copy_(sd[name])
+            sd[name] = spread[::2]
     probe = C.PeakProbe()
     probe.start()
     t0 = time.perf_counter()

@@ -191,21 +191,28 @@ def _save_with(store: MemoryStore, state: dict, uri: str) -> object:
 
 def test_save_uploads_cpu_tensors_in_place_and_copies_temporaries() -> None:
     import torch
+    import torch.distributed.checkpoint as dcp
 
     from dcp_cloud import CloudReader
 
     store = RecordingStore()
-    big = torch.randn(4 * PART // 4)  # 4 parts of float32, contiguous: uploaded in place
-    strided = torch.randn(2 * PART // 4 * 2)[::2]  # a view: copied to a temporary, then into buffers
-    state = {"big": big, "strided": strided, "step": 3}
+    big = torch.randn(4 * PART // 4)  # 4 parts of float32, owning its storage: uploaded in place
+    flat = torch.randn(3 * PART // 4 + 1000)
+    sliced = flat[1000:].view(-1, 64)  # a contiguous view into a larger buffer: in place too
+    strided = torch.randn(2 * PART // 4 * 2)[::2]  # non-contiguous: copied to a temporary, then into buffers
+    state = {"big": big, "sliced": sliced, "strided": strided, "step": 3}
     writer = _save_with(store, state, "memory://bkt/inplace")
-    base = big.data_ptr()
-    from_big = sum(n for _, pieces in store.parts for a, n in pieces if base <= a < base + big.nbytes)
-    assert from_big == big.nbytes
+
+    def sent_from(t: torch.Tensor) -> int:
+        base = t.data_ptr()
+        return sum(n for _, pieces in store.parts for a, n in pieces if base <= a < base + t.nbytes)
+
+    assert sent_from(big) == big.nbytes and sent_from(sliced) == sliced.nbytes
+    assert sent_from(strided) == 0
     # The temporary went through part buffers: some were leased, never more than the budget.
     assert 0 < writer.stats.peak_buffer_bytes <= CONFIG.memory_budget
-    target = {"big": torch.zeros_like(big), "strided": torch.zeros_like(strided), "step": 0}
-    import torch.distributed.checkpoint as dcp
-
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
     dcp.load(target, storage_reader=CloudReader("memory://bkt/inplace", StoreBackend(store)), no_dist=True)
-    assert torch.equal(target["big"], big) and torch.equal(target["strided"], strided) and target["step"] == 3
+    for k in ("big", "sliced", "strided"):
+        assert torch.equal(target[k], state[k]), k
+    assert target["step"] == 3

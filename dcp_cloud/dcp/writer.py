@@ -55,18 +55,18 @@ class _ItemTap(io.RawIOBase):
     """Passes torch.save's writes to the object stream, finding and hashing the raw tensor bytes.
 
     torch.save hands the tensor's bytes to ``write`` as a view of the tensor's
-    own memory (found by address); with ``borrow`` they are uploaded from
-    there (:meth:`ObjectWriter.write_view`), the tensor kept alive until sent.
+    own memory (found by address); with an ``owner`` they are uploaded from
+    there (:meth:`ObjectWriter.write_view`), ``owner`` kept alive until sent.
     """
 
     def __init__(
-        self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None, *, borrow: bool = False
+        self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None, *, owner: Any = None
     ) -> None:
         super().__init__()
         self.sink = sink
         self.start = sink.tell()
         self.raw_offset: int | None = None
-        self._tensor = tensor if borrow else None
+        self._owner = owner
         self._ptr = tensor.data_ptr() if tensor is not None else 0
         self._nbytes = tensor.nbytes if tensor is not None else -1
         self._hasher = hasher
@@ -88,8 +88,8 @@ class _ItemTap(io.RawIOBase):
             if self._hasher is not None:
                 self._hasher.update(mv)
         try:
-            if raw and self._tensor is not None:
-                self.sink.write_view(mv, self._tensor)
+            if raw and self._owner is not None:
+                self.sink.write_view(mv, self._owner)
             else:
                 self.sink.write(mv)
         except BaseException as exc:
@@ -100,19 +100,26 @@ class _ItemTap(io.RawIOBase):
 
 
 def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A CPU tensor owning exactly its bytes (torch.save writes the whole storage of a view),
-    and whether it is a copy made here (a temporary) rather than the caller's tensor."""
+    """A CPU tensor whose storage is exactly its bytes (torch.save writes a tensor's whole
+    storage), and whether it is a copy made here (a temporary) rather than the caller's memory.
+
+    A contiguous CPU view into a larger buffer (FSDP2's sharded parameters,
+    slices of a flat buffer) gets a storage that is a slice of the buffer's:
+    the same memory, no copy. GPU tensors and non-contiguous views are copied.
+    """
     tensor = tensor.detach()
-    copied = False
     if tensor.device.type != "cpu":
-        tensor, copied = tensor.to("cpu"), True
-    if (
-        not tensor.is_contiguous()
-        or tensor.storage_offset() != 0
-        or tensor.untyped_storage().nbytes() != tensor.nbytes
-    ):
-        tensor, copied = tensor.clone(memory_format=torch.contiguous_format), True
-    return tensor, copied
+        return _host_tensor(tensor.to("cpu"))[0], True
+    if not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.nbytes:
+        return tensor, False
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = storage[start : start + tensor.nbytes]
+    if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != tensor.nbytes:  # not a view: never seen
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    return torch.empty(0, dtype=tensor.dtype).set_(exact, 0, tensor.shape, tensor.stride()), False
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -266,10 +273,11 @@ class CloudWriter(CloudBase, StorageWriter):
             del payload
         else:
             tensor, temporary = _host_tensor(data)
-            # The caller's tensor is uploaded in place; a temporary host copy is
-            # copied into part buffers instead, so it can be freed at once (kept
-            # alive by in-flight parts, temporaries would add to peak memory).
-            tap = _ItemTap(stream, tensor, hasher, borrow=not temporary)
+            # The caller's memory is uploaded in place (``data`` stays referenced
+            # with it); a temporary host copy is copied into part buffers instead,
+            # so it can be freed at once (kept alive by in-flight parts,
+            # temporaries would add to peak memory).
+            tap = _ItemTap(stream, tensor, hasher, owner=None if temporary else (tensor, data))
             try:
                 save_tensor(tensor, tap)
             except BaseException:
