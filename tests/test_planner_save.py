@@ -330,8 +330,8 @@ def test_balance_replicated_levels_loads(fixed: list[int], rows: int, cols: int,
     total = sum(loads)
     row_bytes = cols * 4
     assert total == sum(base) + rows * row_bytes
-    if rows * row_bytes < 2 * min_chunk:
-        return  # too small to split: written whole by the least-loaded rank
+    if rows < 2 * math.ceil(min_chunk / row_bytes):
+        return  # too small to cut into two pieces of whole rows >= min_chunk: written whole
     assert max(loads) <= max(max(base), math.ceil(total / n)) + row_bytes + min_chunk
 
 

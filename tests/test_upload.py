@@ -33,9 +33,10 @@ RETRY = RetryConfig(max_attempts=20, initial_backoff=0.0005, max_backoff=0.002, 
 class RecordingStore(MemoryStore):
     """Records the pieces of every part (addresses and sizes) and the parts in flight."""
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None) -> None:
         super().__init__()
         self.delay = delay
+        self.gate = gate  # put_part waits for it, when given
         self.parts: list[tuple[int, list[tuple[int, int]]]] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -49,6 +50,8 @@ class RecordingStore(MemoryStore):
             self.parts.append((number, [(_address(v), len(v)) for v in views]))
         try:
             time.sleep(self.delay)
+            if self.gate is not None:
+                assert self.gate.wait(30), "gate never opened"
             return super().put_part(key, upload_id, number, data, crc32c=crc32c)
         finally:
             with self._count:
@@ -125,7 +128,8 @@ def test_short_borrowed_writes_are_copied() -> None:
 
 
 def test_owner_lives_until_its_parts_are_sent() -> None:
-    store = RecordingStore(delay=0.2)
+    gate = threading.Event()
+    store = RecordingStore(gate=gate)
 
     class Owner(bytearray):
         pass
@@ -137,7 +141,8 @@ def test_owner_lives_until_its_parts_are_sent() -> None:
         writer.write_view(memoryview(owner), owner)
         del owner
         gc.collect()
-        assert ref() is not None  # parts still reference it
+        assert ref() is not None  # parts in flight still reference it
+        gate.set()
         writer.commit()
         gc.collect()
         assert ref() is None  # and let go once sent
