@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = set(kinds) - {"none", "mixed", *KINDS}
+    unknown = set(kinds) - {"none", "mixed", "every", *KINDS}
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}")
     if not 0.0 < args.rate <= 1.0:
