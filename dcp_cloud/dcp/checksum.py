@@ -8,6 +8,11 @@ import crc32c
 
 from ..errors import ChecksumMismatchError
 
+#: Block CRCs are computed holding the GIL: a block (<= 128 KiB) hashes in
+#: microseconds, less than handing the GIL over and back costs when the
+#: transfer threads are busy (measured on GCS loads: ~0.1 s of CPU per 256 MiB).
+_KEEP_GIL = 0
+
 
 class BlockHasher:
     """Per-block CRC32C of a byte stream fed in arbitrary pieces."""
@@ -22,7 +27,7 @@ class BlockHasher:
     def update(self, data: memoryview) -> None:
         while len(data):
             take = min(len(data), self.block_size - self._fill)
-            self._crc = crc32c.crc32c(data[:take], value=self._crc)
+            self._crc = crc32c.crc32c(data[:take], value=self._crc, gil_release_mode=_KEEP_GIL)
             self._fill += take
             self.length += take
             data = data[take:]
@@ -105,7 +110,7 @@ def _block_crcs(
                     raise AssertionError("read does not start on a checksum block boundary")
             block_end = min((b + 1) * block_size, checked_length)
             take = min(len(data), block_end - pos)
-            crc = crc32c.crc32c(data[:take], value=crc)
+            crc = crc32c.crc32c(data[:take], value=crc, gil_release_mode=_KEEP_GIL)
             pos += take
             data = data[take:]
             if pos == block_end:
