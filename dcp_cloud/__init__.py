@@ -13,6 +13,7 @@ import logging
 from .config import RetryConfig, TransferConfig
 from .dcp.api import GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
 from .dcp.reader import CloudReader
+from .dcp.staging import StagingConfig, free_staging_pool
 from .dcp.typed import load, save, typed_errors
 from .dcp.writer import CloudWriter
 from .errors import (
@@ -63,11 +64,13 @@ __all__ = [
     "RetryConfig",
     "S3Reader",
     "S3Writer",
+    "StagingConfig",
     "StoreError",
     "TransferConfig",
     "TransferStats",
     "TransientStoreError",
     "VerifyReport",
+    "free_staging_pool",
     "gc",
     "list_checkpoints",
     "load",

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..store.protocol import PartLimits
 from .backend import GCSBackend, LocalBackend, S3Backend
 from .reader import CloudReader
+from .staging import StagingConfig
 from .writer import CloudWriter
 
 
@@ -50,6 +51,7 @@ class S3Writer(CloudWriter):
         overwrite: bool = False,
         checksums: bool = True,
         part_limits: PartLimits | None = None,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -58,6 +60,7 @@ class S3Writer(CloudWriter):
             retry=retry,
             overwrite=overwrite,
             checksums=checksums,
+            staging=staging,
         )
 
     @classmethod
@@ -107,6 +110,7 @@ class GCSWriter(CloudWriter):
         retry: RetryConfig | None = None,
         overwrite: bool = False,
         checksums: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -115,6 +119,7 @@ class GCSWriter(CloudWriter):
             retry=retry,
             overwrite=overwrite,
             checksums=checksums,
+            staging=staging,
         )
 
     @classmethod
@@ -146,7 +151,7 @@ class GCSReader(CloudReader):
 
 
 class LocalWriter(CloudWriter):
-    """Save to ``file:///dir`` through the same engine (shared filesystems, tests, benchmarks)."""
+    """Save to a directory (``file:///dir`` or a plain path, as stock FileSystemWriter takes) through the same engine."""
 
     def __init__(
         self,
@@ -156,14 +161,21 @@ class LocalWriter(CloudWriter):
         retry: RetryConfig | None = None,
         overwrite: bool = False,
         checksums: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
-            checkpoint_id, LocalBackend(), transfer=transfer, retry=retry, overwrite=overwrite, checksums=checksums
+            checkpoint_id,
+            LocalBackend(),
+            transfer=transfer,
+            retry=retry,
+            overwrite=overwrite,
+            checksums=checksums,
+            staging=staging,
         )
 
 
 class LocalReader(CloudReader):
-    """Load from ``file:///dir`` through the same engine."""
+    """Load from a directory (``file:///dir`` or a plain path) through the same engine."""
 
     def __init__(
         self,

@@ -44,6 +44,8 @@ class CloudBase:
         state["_store"] = None
         state["_store_bucket"] = None
         state["_recorder"] = None
+        if "_leases" in state:  # staging leases belong to the process that staged
+            state["_leases"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import os
 import secrets
 import time
 import uuid
+from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -35,6 +37,8 @@ from .base import CloudBase, log
 from .checksum import BlockHasher
 from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_metadata, shard_name, storage_info
 from .serialize import save_tensor
+from .staging import Lease, StagingConfig, stage_in_background
+from .staging import stage as stage_state
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -151,8 +155,19 @@ def checksum_block_for(nbytes: int, max_block: int) -> int:
     return min(block, max(max_block, _MIN_BLOCK))
 
 
-class CloudWriter(CloudBase, StorageWriter):
-    """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one)."""
+class CloudWriter(CloudBase, StorageWriter, AsyncStager):
+    """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one).
+
+    It is also the stager of ``dcp.async_save``: the state is copied into host
+    buffers of a process-wide pool that outlives the writer (see
+    :mod:`dcp_cloud.dcp.staging` and ``staging=StagingConfig(...)``), so
+    training waits for one copy, not for an allocation, on every save after
+    the first.
+    """
+
+    # async_save needs no synchronize_staging() call: stage() returns a finished copy
+    # (or, with StagingConfig(background=True), a Future that async_save hands back).
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -163,15 +178,51 @@ class CloudWriter(CloudBase, StorageWriter):
         retry: RetryConfig | None = None,
         overwrite: bool = False,
         checksums: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         self.overwrite = overwrite
         self.checksums = checksums
+        self.staging = staging or StagingConfig()
+        #: Leases of staged states whose data this writer has not written yet, oldest first.
+        self._leases: list[Lease] = []
         self.rank = 0
         self.is_coordinator = True
         self.save_id = ""
         self._started = 0.0
         self._begin()
+
+    # -- staging (torch's AsyncStager) --------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        """A training-safe copy of ``state_dict`` in pooled host memory (``dcp.async_save`` calls this)."""
+        if not self.staging.background:
+            staged, lease = stage_state(state_dict, self.staging)
+            self._leases.append(lease)
+            return staged
+        done: ConcurrentFuture[Any] = ConcurrentFuture()
+
+        def hand_over(fut: ConcurrentFuture[tuple[dict[str, Any], Lease]]) -> None:
+            try:
+                staged, lease = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the Future
+                done.set_exception(exc)
+                return
+            self._leases.append(lease)
+            done.set_result(staged)
+
+        stage_in_background(state_dict, self.staging).add_done_callback(hand_over)
+        return done
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a finished copy or a Future."""
+
+    def close(self) -> None:
+        """Nothing to close: the staging pool outlives writers (``dcp_cloud.free_staging_pool()`` frees it)."""
+
+    def _release_staged(self) -> None:
+        """This save's data is written: its staging buffers may serve the next save."""
+        if self._leases:
+            self._leases.pop(0).release()
 
     # -- per-checkpoint start ----------------------------------------------
     def _begin(self) -> None:
@@ -232,6 +283,12 @@ class CloudWriter(CloudBase, StorageWriter):
 
     # -- data -------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        finally:
+            self._release_staged()
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))

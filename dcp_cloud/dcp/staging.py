@@ -1,0 +1,339 @@
+"""Staging for ``dcp.async_save``: the state is copied into host buffers that outlive one save.
+
+``dcp.async_save`` stages the state dict before it returns, so that training
+may change its tensors while the upload runs. Torch's default stager (used
+for any writer that is not an ``AsyncStager``) allocates fresh pageable
+memory on every save. :class:`~dcp_cloud.CloudWriter` is an ``AsyncStager``
+and stages into a process-wide :class:`HostPool` instead:
+
+* an *arena* is a few large host slabs laid out for one state's tensors
+  (sizes in order, 64-byte aligned); a later save of a state with the same
+  tensor sizes reuses it, whatever writer stages it (users build a new writer
+  for every step);
+* an arena is *leased* from staging until the save that staged it has written
+  its data (or, where another process writes it, until the staged tensors are
+  gone); a save staged while the last one still uploads gets a second arena,
+  so bytes in flight are never overwritten;
+* the pool keeps at most ``StagingConfig.pool_bytes`` of idle arenas (default:
+  the size of the state last staged) and :func:`free_staging_pool` drops them;
+* with CUDA, slabs are page-locked (``cudaHostRegister``, exact sizes, in
+  slab-sized chunks) and device tensors are copied with ``non_blocking=True``
+  on a side stream, with one synchronize at the end. A new arena is pinned
+  in a background thread after its first staging, while that save uploads,
+  so the first save pays no pinning: it copies into pageable memory once, the
+  next saves into pinned memory.
+
+Without CUDA the same pool works with pageable memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger("dcp_cloud")
+
+MiB = 1024 * 1024
+#: Alignment of every tensor inside a slab (any dtype, and cache-line friendly).
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How a writer stages a state dict for ``dcp.async_save``."""
+
+    #: Keep staging buffers in the process-wide pool between saves (and
+    #: writers). Off: every save allocates its buffers and frees them after.
+    pool: bool = True
+    #: Most bytes of idle buffers the pool keeps after a save; ``None`` keeps
+    #: one arena of the size of the state last staged.
+    pool_bytes: int | None = None
+    #: Page-lock pooled buffers for fast device-to-host copies; ``None``: when CUDA is available.
+    pin_memory: bool | None = None
+    #: Largest slab of one arena; a larger tensor gets a slab of its own size.
+    slab_bytes: int = 256 * MiB
+    #: Stage in a background thread: ``stage`` returns a Future, and
+    #: ``dcp.async_save`` returns an ``AsyncSaveResponse`` whose
+    #: ``staging_completion`` says when training may change the state again.
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pool_bytes is not None and self.pool_bytes < 0:
+            raise ConfigError(f"pool_bytes must be >= 0 or None, got {self.pool_bytes}")
+        if self.slab_bytes < MiB:
+            raise ConfigError(f"slab_bytes must be >= 1 MiB, got {self.slab_bytes}")
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _pin(slab: torch.Tensor) -> None:
+    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two)."""
+    from torch.cuda import _pin_memory_utils
+
+    ptr = slab.data_ptr()
+    _pin_memory_utils.pin_memory(ptr, slab.numel())
+    weakref.finalize(slab, _pin_memory_utils.unpin_memory, ptr)
+
+
+class Arena:
+    """Host slabs laid out for tensors of the given byte sizes, in order."""
+
+    def __init__(self, sizes: tuple[int, ...], slab_bytes: int) -> None:
+        self.sizes = sizes
+        self.places: list[tuple[int, int]] = []
+        slab_sizes: list[int] = []
+        fill = 0
+        for size in sizes:
+            step = _aligned(size)
+            if not slab_sizes or (fill + step > slab_bytes and fill > 0):
+                slab_sizes.append(0)
+                fill = 0
+            self.places.append((len(slab_sizes) - 1, fill))
+            fill += step
+            slab_sizes[-1] = fill
+        self.slabs = [torch.empty(max(n, 1), dtype=torch.uint8) for n in slab_sizes]
+        self.nbytes = sum(s.numel() for s in self.slabs)
+        self.pinned = False
+        self._pinning: threading.Thread | None = None
+
+    def views(self) -> list[torch.Tensor]:
+        """One byte view per tensor, in order."""
+        return [self.slabs[s].narrow(0, off, size) for (s, off), size in zip(self.places, self.sizes)]
+
+    def pin_in_background(self) -> None:
+        """Page-lock every slab from a background thread (the next save copies into pinned memory)."""
+        if self.pinned or self._pinning is not None:
+            return
+
+        def pin_all() -> None:
+            try:
+                for slab in self.slabs:
+                    _pin(slab)
+                self.pinned = True
+            except Exception as exc:  # noqa: BLE001 - pageable memory still works, only slower
+                log.warning("could not page-lock %d bytes of staging buffers (%s); staging stays pageable", self.nbytes, exc)
+
+        self._pinning = threading.Thread(target=pin_all, name="dcp_cloud-pin", daemon=True)
+        self._pinning.start()
+
+    def wait_pinned(self) -> None:
+        if self._pinning is not None:
+            self._pinning.join()
+
+
+class HostPool:
+    """Arenas kept between saves, one process-wide instance (:data:`POOL`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[Arena] = []
+        self._leased = 0
+
+    def acquire(self, sizes: tuple[int, ...], config: StagingConfig) -> Arena:
+        """An arena for ``sizes``, reused when an idle one has exactly that layout."""
+        if config.pool:
+            with self._lock:
+                for i, arena in enumerate(self._idle):
+                    if arena.sizes == sizes:
+                        del self._idle[i]
+                        self._leased += arena.nbytes
+                        break
+                else:
+                    arena = None
+            if arena is not None:
+                arena.wait_pinned()
+                return arena
+        arena = Arena(sizes, config.slab_bytes)
+        with self._lock:
+            self._leased += arena.nbytes
+        return arena
+
+    def release(self, arena: Arena, config: StagingConfig) -> None:
+        """Give a leased arena back: kept for the next save within ``config.pool_bytes``, else freed."""
+        with self._lock:
+            self._leased -= arena.nbytes
+            if not config.pool:
+                return
+            keep = arena.nbytes if config.pool_bytes is None else config.pool_bytes
+            if arena.nbytes > keep:
+                return
+            self._idle.insert(0, arena)
+            held = 0
+            kept = []
+            for idle in self._idle:  # newest first
+                if held + idle.nbytes <= keep:
+                    kept.append(idle)
+                    held += idle.nbytes
+            self._idle = kept
+
+    def clear(self) -> int:
+        """Drop every idle arena; returns the bytes freed (leased arenas are freed when released)."""
+        with self._lock:
+            freed = sum(a.nbytes for a in self._idle)
+            self._idle = []
+        return freed
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for a in self._idle)
+
+    @property
+    def leased_bytes(self) -> int:
+        with self._lock:
+            return self._leased
+
+
+#: The process-wide pool every writer stages into.
+POOL = HostPool()
+
+
+def free_staging_pool() -> int:
+    """Free the host buffers kept for staging between saves; returns the bytes freed.
+
+    Buffers of a save still in flight are freed once it finishes.
+    """
+    return POOL.clear()
+
+
+class Lease:
+    """One staged state's arena; released once, explicitly or when the staged tensors are gone."""
+
+    def __init__(self, arena: Arena, config: StagingConfig) -> None:
+        self._finalizer = weakref.finalize(self, POOL.release, arena, config)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append every plain tensor of ``obj`` that staging copies (DTensors by their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        out.append(obj._local_tensor)
+    elif isinstance(obj, torch.Tensor) and not _is_sharded(obj):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _collect(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect(value, out)
+
+
+def _is_sharded(obj: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(obj, ShardedTensor)
+
+
+def _rebuild(obj: Any, staged: Callable[[], torch.Tensor]) -> Any:
+    """``obj`` with every collected tensor replaced by the next staged one (same order as :func:`_collect`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return DTensor(staged(), obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        if _is_sharded(obj):
+            return copy.deepcopy(obj)  # legacy ShardedTensor: a copy on its own device
+        return staged()
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, staged) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v, staged) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, staged) for v in obj)
+    if isinstance(obj, (int, float, str, bytes, bool)) or obj is None:
+        return obj
+    if isinstance(obj, io.BytesIO):
+        return io.BytesIO(obj.getvalue())
+    return copy.deepcopy(obj)
+
+
+def _copy_all(sources: list[torch.Tensor], dests: list[torch.Tensor]) -> None:
+    """Copy every source into its destination; device tensors non-blocking on a side stream, one sync."""
+    on_device = [i for i, s in enumerate(sources) if s.device.type == "cuda"]
+    with torch.no_grad():
+        if on_device:
+            current = torch.cuda.current_stream(sources[on_device[0]].device)
+            side = torch.cuda.Stream(device=sources[on_device[0]].device)
+            side.wait_stream(current)  # everything training queued before the save is in the copy
+            with torch.cuda.stream(side):
+                for i in on_device:
+                    dests[i].copy_(sources[i], non_blocking=True)
+        for i, src in enumerate(sources):
+            if src.device.type != "cuda":
+                dests[i].copy_(src)
+        if on_device:
+            side.synchronize()
+
+
+def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, Any], Lease]:
+    """A training-safe copy of ``state_dict`` in pooled host memory, and the lease of that memory.
+
+    Tensors (and DTensors' local shards) are copied into one arena;
+    immutable values are shared; other objects are deep-copied.
+    """
+    sources: list[torch.Tensor] = []
+    _collect(state_dict, sources)
+    sizes = tuple(int(t.numel()) * t.element_size() for t in sources)
+    pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
+    arena = POOL.acquire(sizes, config)
+    lease = Lease(arena, config)
+    try:
+        dests = [
+            view.view(src.dtype).view(src.shape) if src.numel() else torch.empty(src.shape, dtype=src.dtype)
+            for view, src in zip(arena.views(), sources)
+        ]
+        _copy_all(sources, dests)
+        order = iter(dests)
+        staged = _rebuild(state_dict, lambda: next(order))
+    except BaseException:
+        lease.release()
+        raise
+    if pin and config.pool:
+        arena.pin_in_background()  # while this save uploads; the next one copies into pinned memory
+    return staged, lease
+
+
+_BACKGROUND: ThreadPoolExecutor | None = None
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def stage_in_background(state_dict: dict[str, Any], config: StagingConfig) -> Future[tuple[dict[str, Any], Lease]]:
+    """:func:`stage` in the process's one staging thread.
+
+    Device copies there wait for the work the caller's stream has queued so
+    far, so the caller may go on queueing work; it must not change the state
+    until the Future is done.
+    """
+    global _BACKGROUND
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is None:
+            _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="dcp_cloud-stage")
+        executor = _BACKGROUND
+    event = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        event = torch.cuda.Event()
+        event.record()
+
+    def run() -> tuple[dict[str, Any], Lease]:
+        if event is not None:
+            event.synchronize()
+        return stage(state_dict, config)
+
+    return executor.submit(run)
