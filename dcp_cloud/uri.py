@@ -32,6 +32,9 @@ class CheckpointURI:
 def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> CheckpointURI:
     """Parse ``uri`` and check its scheme is one of ``schemes``.
 
+    Where ``file`` is among ``schemes``, a plain path (``/dir/ckpt``,
+    ``ckpt``) means ``file://`` of its absolute path.
+
     Raises InvalidURIError for a malformed URI (``s3:/x``), a missing bucket
     or key prefix (``gs://``, ``s3://bucket``) or a scheme the class does not
     serve (``gs://`` given to an S3 class).
@@ -40,6 +43,8 @@ def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> Checkpoi
     if not isinstance(text, str):
         raise InvalidURIError(f"checkpoint URI must be a string, got {type(text).__name__}")
     expected = " or ".join(f"{s}://" for s in schemes)
+    if "file" in schemes and text and "://" not in text:
+        text = "file://" + os.path.abspath(text)  # a plain directory path, as stock FileSystemWriter takes
     match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", text)
     if match is None:
         raise InvalidURIError(
