@@ -6,11 +6,14 @@ directory first and is then renamed into place, so readers never see a
 half-written object, and a create-only write is atomic (``link``/
 ``renameat2(RENAME_NOREPLACE)``: of two concurrent creators exactly one wins).
 
-Multipart uploads keep their parts under ``<root>/.dcp_cloud_uploads/<id>/``
-with a small manifest naming the key; completing one concatenates the parts
-(``copy_file_range`` where the kernel has it) into a temporary file that is
-then renamed into place. Names starting with ``.dcp_cloud`` are reserved and
-never listed.
+Multipart uploads live under ``<root>/.dcp_cloud_uploads/<id>/`` with a
+small manifest naming the key. Parts written with :meth:`LocalStore.put_part_at`
+(what the transfer engine does, its parts all being of one size) land in
+place, at their offsets, in one data file there, which completion truncates,
+syncs and links into place: every byte is written once. Parts written with
+the protocol's ``put_part`` get files of their own that completion
+concatenates (``copy_file_range`` where the kernel has it). Names starting
+with ``.dcp_cloud`` are reserved and never listed.
 
 Unlike S3, a directory cannot also be an object: the keys ``a`` and ``a/b``
 cannot both exist here.
@@ -18,8 +21,6 @@ cannot both exist here.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -40,6 +41,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
+from .localfs import append_file, fsync_dir, link_noreplace, preadv, pwrite_all, write_all
 from .payload import Payload, payload_size, payload_views
 from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
@@ -51,31 +53,15 @@ RESERVED_PREFIX = ".dcp_cloud"
 UPLOADS_DIR = ".dcp_cloud_uploads"
 _TMP_PREFIX = ".dcp_cloud-tmp-"
 _MANIFEST = "manifest.json"
-_COPY_CHUNK = 8 * MiB
-#: Most bytes one read/write system call moves on Linux.
-_MAX_IO = 0x7FFFF000
+_DATA = "data"
 
 LOCAL_PART_LIMITS = PartLimits(min_part_size=1, max_part_size=5 * GiB, max_parts=10_000)
 
 _TRANSIENT_ERRNOS = frozenset(
     getattr(errno, name) for name in ("EAGAIN", "EBUSY", "ESTALE", "ETIMEDOUT", "EINTR") if hasattr(errno, name)
 )
-_RENAME_NOREPLACE = 1
-
-
-def _renameat2_noreplace():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _renameat2_noreplace()
-_AT_FDCWD = -100
+#: Part tokens of parts written in place (``put_part_at``) start with this.
+_AT = "at"
 
 
 def _out_view(out: memoryview) -> memoryview:
@@ -163,13 +149,6 @@ class LocalStore:
                 os.makedirs(directory, exist_ok=True)
         raise FileNotFoundError(errno.ENOENT, "directory keeps disappearing", str(directory))
 
-    @staticmethod
-    def _write_all(fd: int, views: list[memoryview]) -> None:
-        for data in views:
-            pos = 0
-            while pos < len(data):
-                pos += os.write(fd, data[pos : pos + _MAX_IO])
-
     def _finish_tmp(self, fd: int) -> int:
         """fsync (if on) and close ``fd``; returns the file's mtime_ns."""
         try:
@@ -185,41 +164,12 @@ class LocalStore:
             if not create_only:
                 os.replace(tmp, final)
             else:
-                self._link_noreplace(tmp, final)
+                link_noreplace(tmp, final)
         finally:
             if tmp.exists():
                 os.unlink(tmp)
         if self.fsync:
-            self._fsync_dir(final.parent)
-
-    @staticmethod
-    def _link_noreplace(tmp: Path, final: Path) -> None:
-        try:
-            os.link(tmp, final)  # fails with FileExistsError if final exists: atomic create
-            return
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
-                raise
-        if _renameat2 is None:
-            raise OSError(errno.ENOTSUP, "this filesystem supports neither hard links nor renameat2", str(final))
-        if _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(final))
-
-    @staticmethod
-    def _fsync_dir(directory: Path) -> None:
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+            fsync_dir(final.parent)
 
     def _prune_dirs(self, directory: Path) -> None:
         """Remove empty directories left by deleted keys, up to (not including) the root."""
@@ -247,7 +197,7 @@ class LocalStore:
         try:
             fd, tmp = self._open_tmp(final.parent)
             try:
-                self._write_all(fd, views)
+                write_all(fd, views)
             except BaseException:
                 os.close(fd)
                 raise
@@ -279,7 +229,7 @@ class LocalStore:
             pos = start
             pending = [v for v in views if len(v)]
             while pending:
-                n = self._preadv(fd, pending, pos)
+                n = preadv(fd, pending, pos)
                 if n == 0:
                     raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
                 pos += n
@@ -293,15 +243,6 @@ class LocalStore:
             raise self._error(exc, key, "read") from exc
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _preadv(fd: int, views: list[memoryview], pos: int) -> int:
-        """Scatter-read into ``views`` from ``pos`` with one system call where the OS has one."""
-        if hasattr(os, "preadv"):
-            return os.preadv(fd, views[:1024], pos)  # IOV_MAX
-        os.lseek(fd, pos, os.SEEK_SET)  # pragma: no cover - platforms without preadv
-        with open(fd, "rb", buffering=0, closefd=False) as fh:  # pragma: no cover
-            return fh.readinto(views[0]) or 0
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -395,7 +336,7 @@ class LocalStore:
             os.makedirs(directory)
             fd, tmp = self._open_tmp(directory)
             try:
-                self._write_all(fd, [memoryview(json.dumps({"key": key, "initiated": time.time()}).encode())])
+                write_all(fd, [memoryview(json.dumps({"key": key, "initiated": time.time()}).encode())])
             finally:
                 os.close(fd)
             os.replace(tmp, directory / _MANIFEST)
@@ -411,7 +352,7 @@ class LocalStore:
         try:
             fd, tmp = self._open_tmp(directory)
             try:
-                self._write_all(fd, views)
+                write_all(fd, views)
             except BaseException:
                 os.close(fd)
                 os.unlink(tmp)
@@ -431,10 +372,58 @@ class LocalStore:
         # the latest upload of each number, as S3 does.
         return PartInfo(number, token, payload_size(views))
 
+    #: ``put_part_at`` is available: the engine writes parts in place at their offsets.
+    positional_parts = True
+
+    def put_part_at(self, key: str, upload_id: str, number: int, offset: int, data: Payload) -> PartInfo:
+        """Write part ``number`` in place at byte ``offset`` of the object (all parts of one upload this way)."""
+        if not 1 <= number <= self.limits.max_parts or offset < 0:
+            raise StoreError(f"part {number} at offset {offset} of {self.url(key)} is out of range")
+        directory = self._require_upload(key, upload_id)
+        views = payload_views(data)
+        try:
+            fd = os.open(directory / _DATA, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                size = pwrite_all(fd, views, offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and self._manifest(upload_id) is None:
+                raise StoreError(f"multipart upload {upload_id!r} of {self.url(key)} was aborted") from exc
+            raise self._error(exc, key, f"upload part {number} of") from exc
+        return PartInfo(number, f"{_AT}{offset}", size)
+
+    def _complete_in_place(self, key: str, directory: Path, parts: Sequence[PartInfo], create_only: bool) -> ObjectInfo:
+        """Publish the data file of parts written with :meth:`put_part_at`: no byte is copied."""
+        offset = 0
+        for part in parts:
+            if part.token != f"{_AT}{offset}":
+                raise StoreError(
+                    f"part {part.number} of {self.url(key)} does not start where part {part.number - 1} ends "
+                    f"(token {part.token!r}, expected offset {offset})"
+                )
+            offset += part.size
+        final = self._path(key)
+        data = directory / _DATA
+        try:
+            if create_only and os.path.lexists(final):
+                raise FileExistsError(errno.EEXIST, "exists", str(final))
+            fd = os.open(data, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            os.ftruncate(fd, offset)  # a part retried shorter leaves no stale tail
+            mtime = self._finish_tmp(fd)
+            os.makedirs(final.parent, exist_ok=True)
+            self._publish(data, final, create_only)
+        except OSError as exc:
+            raise self._error(exc, key, "complete the upload of") from exc
+        shutil.rmtree(directory, ignore_errors=True)
+        return ObjectInfo(key, offset, str(mtime), mtime / 1e9)
+
     def complete_multipart(
         self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
     ) -> ObjectInfo:
         directory = self._require_upload(key, upload_id)
+        if parts and parts[0].token.startswith(_AT):
+            return self._complete_in_place(key, directory, parts, create_only)
         final = self._path(key)
         sources = []
         for i, part in enumerate(parts):
@@ -463,7 +452,7 @@ class LocalStore:
             try:
                 size = 0
                 for src in sources:
-                    size += self._append(src, fd)
+                    size += append_file(src, fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -475,35 +464,6 @@ class LocalStore:
             raise self._error(exc, key, "complete the upload of") from exc
         shutil.rmtree(directory, ignore_errors=True)
         return ObjectInfo(key, size, str(mtime), mtime / 1e9)
-
-    @staticmethod
-    def _append(src: Path, out_fd: int) -> int:
-        """Append the file ``src`` to ``out_fd`` (kernel-side copy where possible)."""
-        with open(src, "rb") as fh:
-            in_fd = fh.fileno()
-            remaining = os.fstat(in_fd).st_size
-            copied = 0
-            copy_range = getattr(os, "copy_file_range", None)
-            while remaining > 0:
-                n = 0
-                if copy_range is not None:
-                    try:
-                        n = copy_range(in_fd, out_fd, min(remaining, _MAX_IO))
-                    except OSError as exc:
-                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-                            raise
-                        copy_range = None
-                        continue
-                else:
-                    chunk = fh.read(min(remaining, _COPY_CHUNK))
-                    n = len(chunk)
-                    if n:
-                        LocalStore._write_all(out_fd, [memoryview(chunk)])
-                if n == 0:
-                    raise OSError(errno.EIO, "part file shrank while being copied", str(src))
-                remaining -= n
-                copied += n
-            return copied
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         manifest = self._manifest(upload_id)

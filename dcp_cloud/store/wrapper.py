@@ -27,6 +27,8 @@ class StoreWrapper:
         self.scheme = inner.scheme
         self.bucket = inner.bucket
         self.limits = inner.limits
+        #: Whether ``inner`` takes parts at their offsets (``put_part_at``, the local store).
+        self.positional_parts: bool = bool(getattr(inner, "positional_parts", False))
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         return fn()
@@ -60,6 +62,10 @@ class StoreWrapper:
 
     def put_part(self, key: str, upload_id: str, number: int, data: Payload, *, crc32c: int | None = None) -> PartInfo:
         return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
+
+    def put_part_at(self, key: str, upload_id: str, number: int, offset: int, data: Payload) -> PartInfo:
+        """Only where ``positional_parts``: part ``number`` in place at ``offset`` of the object."""
+        return self._call("put_part", lambda: self.inner.put_part_at(key, upload_id, number, offset, data))  # type: ignore[attr-defined]
 
     def complete_multipart(
         self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False

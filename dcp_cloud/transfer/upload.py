@@ -181,7 +181,11 @@ class ObjectWriter(io.RawIOBase):
         try:
             if self._aborted.is_set():
                 raise StoreError(f"{self._store.url(self.key)}: upload aborted")
-            info = self._store.put_part(self.key, self._upload_id or "", number, pieces)
+            if self._store.positional_parts:  # every part but the last is part_size long
+                offset = (number - 1) * self._part_size
+                info = self._store.put_part_at(self.key, self._upload_id or "", number, offset, pieces)
+            else:
+                info = self._store.put_part(self.key, self._upload_id or "", number, pieces)
             self._engine.stats.add_written(size)
             return info
         finally:
