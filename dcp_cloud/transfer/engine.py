@@ -18,7 +18,6 @@ from ..store.retry import RetryHooks, RetryingStore
 from .budget import BufferPool, ByteBudget
 from .ranges import plan_part_size
 from .stats import StatsRecorder, TransferStats
-from .upload import ObjectWriter
 
 T = TypeVar("T")
 
@@ -105,12 +104,10 @@ class TransferEngine:
         self.close()
 
     # -- uploads ----------------------------------------------------------
+    # The stream that uploads one object is dcp_cloud.transfer.upload.open_writer(engine, key, size_hint),
+    # which builds on this module (this module needs nothing from that one).
     def part_size_for(self, size_hint: int | None) -> int:
         return plan_part_size(size_hint, self.config.part_size, self.store.limits)
-
-    def open_writer(self, key: str, size_hint: int | None = None, *, create_only: bool = False) -> ObjectWriter:
-        """A stream that uploads ``key``; ``size_hint`` lets huge objects get bigger parts."""
-        return ObjectWriter(self, key, self.part_size_for(size_hint), create_only=create_only)
 
     # -- reads ------------------------------------------------------------
     def read(

@@ -1,24 +1,4 @@
-"""Amazon S3 (and S3-compatible) object store over boto3.
-
-Credentials come only from the standard AWS chain (``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, SSO, instance and container
-roles). With ``endpoint_url`` and ``region`` left ``None``, boto3 honours
-``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and ``AWS_DEFAULT_REGION``, and
-the store adds ``AWS_REGION`` (which botocore ignores, but the other AWS SDKs
-read first), so pointing the store at MinIO, moto or another S3-compatible
-server needs no code change.
-
-Transport checksums: the CRC32C of each body is sent as
-``x-amz-checksum-crc32c`` (multipart uploads are declared CRC32C and every
-part carries one), so S3 rejects bytes corrupted in flight. The value is
-computed by us, so botocore needs no ``[crt]`` extra. boto3's own per-request
-checksums are off (``when_required``): they would cost a second pass over
-every body.
-
-Every method makes exactly one attempt (boto3's own retries are off) and
-reports failure with the typed errors of :mod:`dcp_cloud.errors`; the single
-function :func:`_translate` decides which one.
-"""
+"""S3Store: one S3 bucket behind the object-store protocol, over botocore (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -27,26 +7,15 @@ import email.utils
 import http.client
 import os
 import re
-import ssl
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
-from ..errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    DcpCloudError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
-    StoreError,
-    TransientStoreError,
-)
-from .payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
-from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, TransientStoreError
+from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
+from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .config import S3Config, _require
+from .errors import _s3_url, _translate
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -59,270 +28,7 @@ _DELETE_BATCH = 1000
 #: Bytes read per call when a body has to be read through urllib3 (it copies).
 _COPY_CHUNK = 1 * MiB
 
-_ADDRESSING_STYLES = ("auto", "path", "virtual")
-_REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-@dataclass(frozen=True)
-class S3Config:
-    """Where and how to reach S3. Holds no credentials, by design.
-
-    Every field left at ``None`` falls back to the standard AWS configuration
-    (environment variables, then ``~/.aws/config``).
-    """
-
-    #: Endpoint of an S3-compatible server, e.g. ``"http://127.0.0.1:9000"``.
-    #: ``None``: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` / the profile's
-    #: ``endpoint_url``, else AWS itself. Must be ``http(s)://host[:port][/path]``
-    #: and must not carry credentials (``user:pass@``).
-    endpoint_url: str | None = None
-    #: Region to sign requests for, e.g. ``"us-east-1"``. ``None``:
-    #: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's ``region``.
-    region: str | None = None
-    #: Named profile of ``~/.aws/config`` to take credentials and settings
-    #: from. ``None``: ``AWS_PROFILE``, else the default chain.
-    profile: str | None = None
-    #: ``"path"`` puts the bucket in the URL path (``host/bucket/key``), which
-    #: most S3-compatible servers need; ``"virtual"`` puts it in the host name
-    #: (``bucket.host/key``); ``"auto"`` lets boto3 (and ``~/.aws/config``) choose.
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    #: Send the CRC32C of every uploaded body (whole objects and parts) so the
-    #: server rejects bytes corrupted in flight. Turn off for S3-compatible
-    #: servers that reject the ``x-amz-checksum-crc32c`` header.
-    transport_checksums: bool = True
-
-    def __post_init__(self) -> None:
-        if self.endpoint_url is not None:
-            _require(
-                isinstance(self.endpoint_url, str) and bool(self.endpoint_url),
-                f"endpoint_url must be a non-empty string or None, got {self.endpoint_url!r}",
-            )
-            parts = urlsplit(self.endpoint_url)
-            _require(
-                parts.scheme in ("http", "https") and bool(parts.hostname),
-                "endpoint_url must look like http(s)://host[:port], got a value without "
-                "an http/https scheme or a host",
-            )
-            # Never echo the URL here: it may be the one carrying a secret.
-            _require(
-                parts.username is None and parts.password is None,
-                "endpoint_url must not contain credentials (user:password@); "
-                "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile",
-            )
-            _require(
-                not parts.query and not parts.fragment,
-                f"endpoint_url must not have a query or fragment, got {self.endpoint_url!r}",
-            )
-        if self.region is not None:
-            _require(
-                isinstance(self.region, str) and bool(_REGION_RE.match(self.region)),
-                f"region must be a region name like 'us-east-1' or None, got {self.region!r}",
-            )
-        if self.profile is not None:
-            _require(
-                isinstance(self.profile, str) and bool(self.profile.strip()),
-                f"profile must be a non-empty profile name or None, got {self.profile!r}",
-            )
-        _require(
-            self.addressing_style in _ADDRESSING_STYLES,
-            f"addressing_style must be one of {_ADDRESSING_STYLES}, got {self.addressing_style!r}",
-        )
-        _require(
-            isinstance(self.transport_checksums, bool),
-            f"transport_checksums must be a bool, got {self.transport_checksums!r}",
-        )
-
-
-# --------------------------------------------------------------------------
-# Error translation: the only place that decides which typed error a failure is.
-
-_BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
-_ACCESS_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "TokenRefreshRequired",
-        "AllAccessDisabled",
-        "AccountProblem",
-        "InvalidSecurity",
-        "RequestTimeTooSkewed",
-        "Forbidden",
-        "403",
-    }
-)
-_PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-        "RequestThrottled",
-        "BandwidthLimitExceeded",
-        "OperationAborted",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
-_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
-_RANGE_CODES = frozenset({"InvalidRange", "416"})
-_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "301"})
-
-
-def _s3_url(bucket: str, key: str | None) -> str:
-    return f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
-
-
-def _caused_by_cert_failure(exc: BaseException) -> bool:
-    """True if a TLS certificate check (not a dropped connection) is behind ``exc``."""
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        cur = todo.pop()
-        if not isinstance(cur, BaseException) or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, ssl.SSLCertVerificationError):
-            return True
-        todo.extend([cur.__cause__, cur.__context__, *cur.args])
-        kwargs = getattr(cur, "kwargs", None)
-        if isinstance(kwargs, dict):
-            todo.append(kwargs.get("error"))
-    return False
-
-
-def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "access") -> DcpCloudError:
-    """Map a boto3/botocore/urllib3/socket failure to a dcp_cloud error.
-
-    Decides on error codes, HTTP statuses and exception types only, never on
-    message text. The caller raises the result ``from exc``. Messages name
-    the object and say what to do; they never contain credentials or bodies.
-    """
-    from botocore import exceptions as bce
-    from urllib3 import exceptions as u3e
-
-    if isinstance(exc, DcpCloudError):
-        return exc
-    where = _s3_url(bucket, key)
-
-    if isinstance(exc, bce.ClientError):
-        response = getattr(exc, "response", None) or {}
-        error = response.get("Error") or {}
-        code = str(error.get("Code") or "")
-        meta = response.get("ResponseMetadata") or {}
-        status = meta.get("HTTPStatusCode")
-        if status is None and code.isdigit():  # HEAD errors carry the status as their code
-            status = int(code)
-        request_id = meta.get("RequestId") or ""
-        detail = f"S3 error {code or '?'}, HTTP {status if status is not None else '?'}"
-        if request_id:
-            detail += f", request id {request_id}"
-
-        if code in _BUCKET_MISSING_CODES or (key is None and status == 404 and code in ("", "404", "NotFound")):
-            return BucketNotFoundError(
-                f"bucket {bucket!r} does not exist ({where}; {detail}): create the bucket or fix the URI "
-                "(and check the endpoint/region point at the right service)"
-            )
-        if code in _ACCESS_CODES or status == 403:
-            hint = (
-                "the system clock is off; sync it (NTP)"
-                if code == "RequestTimeTooSkewed"
-                else "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE, "
-                f"and that the identity may {action} in bucket {bucket!r} (S3 also answers 403 for a "
-                "missing key when the identity may not list the bucket)"
-            )
-            return AccessDeniedError(f"access denied to {where} ({detail}): {hint}")
-        if code == "NoSuchKey" or (status == 404 and code in ("", "404", "NotFound")):
-            return ObjectNotFoundError(f"{where} does not exist ({detail})")
-        if code in _PRECONDITION_CODES or status == 412:
-            return PreconditionFailedError(
-                f"{where} already exists or was changed by a concurrent writer ({detail}); "
-                "nothing was overwritten"
-            )
-        if code in _RANGE_CODES or status == 416:
-            return CorruptCheckpointError(
-                f"{where} is shorter than the byte range asked for ({detail}): the object is truncated "
-                "or does not belong to this checkpoint"
-            )
-        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
-            return TransientStoreError(
-                f"S3 could not {action} {where} right now ({detail}): the service is throttling or "
-                "unavailable; retry later or lower the request concurrency"
-            )
-        if code in _REGION_CODES or status == 301:
-            return StoreError(
-                f"{where} lives in another region or endpoint ({detail}): set AWS_REGION (or S3Config.region) "
-                "to the bucket's region"
-            )
-        message = str(error.get("Message") or "")[:200]
-        return StoreError(f"S3 refused to {action} {where} ({detail}){': ' + message if message else ''}")
-
-    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
-        return AccessDeniedError(
-            f"no usable AWS credentials to {action} {where}: set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/container role is available"
-        )
-    if isinstance(exc, bce.ProfileNotFound):
-        return AccessDeniedError(
-            f"the AWS profile named by S3Config.profile / AWS_PROFILE does not exist (needed to {action} {where}): "
-            "fix the profile name or define it in ~/.aws/config"
-        )
-    if isinstance(
-        exc,
-        (
-            bce.CredentialRetrievalError,
-            bce.NoAuthTokenError,
-            bce.TokenRetrievalError,
-            bce.SSOError,
-            bce.UnknownCredentialError,
-        ),
-    ):
-        return AccessDeniedError(
-            f"could not obtain AWS credentials to {action} {where} ({type(exc).__name__}): "
-            "check AWS_PROFILE / SSO login / the instance role"
-        )
-    if isinstance(exc, bce.SSLError) and _caused_by_cert_failure(exc):
-        return StoreError(
-            f"TLS certificate of the S3 endpoint was rejected while trying to {action} {where}: "
-            "fix the endpoint URL or AWS_CA_BUNDLE"
-        )
-    transient_types: tuple[type[BaseException], ...] = (
-        bce.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, SSLError, ProxyConnectionError
-        bce.HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
-        bce.IncompleteReadError,
-        u3e.ProtocolError,
-        u3e.TimeoutError,
-        u3e.IncompleteRead,
-        u3e.SSLError,
-        http.client.IncompleteRead,
-        http.client.HTTPException,
-        ConnectionError,  # builtin: reset, aborted, refused, broken pipe
-        TimeoutError,
-    )
-    if isinstance(exc, transient_types):
-        return TransientStoreError(
-            f"connection to S3 failed while trying to {action} {where} ({type(exc).__name__}): "
-            "the network or the endpoint is unavailable; retry, and check the endpoint URL if it persists"
-        )
-    return StoreError(f"could not {action} {where} ({type(exc).__name__})")
-
-
-# --------------------------------------------------------------------------
 
 
 def _out_view(out: memoryview) -> memoryview:
@@ -399,7 +105,7 @@ class S3Store:
     def __init__(
         self,
         bucket: str,
-        config: S3Config = S3Config(),
+        config: S3Config = S3Config(),  # noqa: B008 - a frozen dataclass
         *,
         request_timeout: float = 60.0,
         max_connections: int = 16,
@@ -771,5 +477,3 @@ class S3Store:
             raise self._fail(exc, prefix, "list the uploads under") from exc
         return found
 
-
-__all__ = ["S3_PART_LIMITS", "S3Config", "S3Store"]

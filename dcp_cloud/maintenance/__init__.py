@@ -1,0 +1,36 @@
+"""Housekeeping of checkpoints in a bucket: list them, verify them, collect what failed saves left.
+
+All three functions take a URI and the same keyword arguments:
+
+* ``uri``: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///dir``.
+  :func:`list_checkpoints` and :func:`gc` treat it as a *root* under which
+  any number of checkpoints live (``s3://bucket/run-7`` holds
+  ``run-7/step-100/``, ``run-7/step-200/``...; the root may itself be a
+  checkpoint); :func:`verify` takes the URI of one checkpoint.
+* ``transfer`` / ``retry``: :class:`~dcp_cloud.TransferConfig` /
+  :class:`~dcp_cloud.RetryConfig` (every request goes through the one retry loop).
+* store options, as the writers take them: ``endpoint_url``, ``region``,
+  ``config`` (an ``S3Config``), ``part_limits`` for ``s3://``; ``project``,
+  ``endpoint``, ``credentials``, ``config`` (a ``GCSConfig``) for ``gs://``;
+  none for ``file://``.
+* ``store``: instead of store options, an already open ObjectStore bound to
+  the URI's bucket (a custom backend, or a MemoryStore in tests); the URI's
+  scheme must then be the store's. It is not closed.
+
+A checkpoint is a *prefix* holding shard objects ``__<rank>_<token>.distcp``
+and, once committed, ``.metadata`` (see :mod:`dcp_cloud.dcp.layout`).
+
+Garbage collection relies on object ages: it only ever removes objects (and
+aborts uploads) older than ``older_than`` seconds, so ``older_than`` must be
+longer than your longest save, and the clocks of this machine and the store
+should roughly agree. It never removes ``.metadata`` or an object the
+committed metadata references, and re-checks the metadata right before each
+deletion, so a save that commits while gc runs is left alone.
+"""
+
+from .collect import gc
+from .common import CheckpointInfo, GCReport, VerifyReport, log  # noqa: F401 - log: public name of the old module
+from .listing import list_checkpoints
+from .verification import verify
+
+__all__ = ["CheckpointInfo", "GCReport", "VerifyReport", "gc", "list_checkpoints", "verify"]

@@ -1,0 +1,221 @@
+"""What the maintenance functions share: the logger, the report dataclasses, opening a store for a
+root URI, and grouping object listings into checkpoint prefixes."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..errors import ConfigError
+from ..store.protocol import ObjectInfo, ObjectStore
+from ..store.retry import RetryingStore
+from ..uri import CheckpointURI, parse_uri
+
+log = logging.getLogger("dcp_cloud.maintenance")
+
+_SCHEMES = ("s3", "gs", "file")
+_METADATA = ".metadata"
+_SHARD_RE = re.compile(r"^__\d+_[^/]*\.distcp$")
+_STORE_OPTIONS = {
+    "s3": ("endpoint_url", "region", "config", "part_limits"),
+    "gs": ("project", "endpoint", "credentials", "config"),
+    "file": (),
+}
+
+
+# --------------------------------------------------------------------------
+# Reports
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint prefix found under a root."""
+
+    #: URI of the checkpoint (what to give a reader).
+    uri: str
+    #: Key prefix of the checkpoint in its bucket (no trailing slash).
+    prefix: str
+    #: Whether ``.metadata`` exists (the save finished).
+    committed: bool
+    #: Bytes of every object directly under the prefix.
+    total_bytes: int
+    #: Objects directly under the prefix (metadata and shards included).
+    object_count: int
+    #: Shard objects (``__*.distcp``) directly under the prefix.
+    shard_count: int
+    #: When ``.metadata`` was written (seconds since the epoch); None if uncommitted or unknown.
+    save_time: float | None
+    #: Newest object under the prefix (seconds since the epoch), if the store reports it.
+    last_modified: float | None
+
+
+@dataclass(frozen=True)
+class GCReport:
+    """What :func:`gc` removed (or, with ``dry_run``, would remove). Keys are relative to the bucket."""
+
+    #: The root URI that was collected.
+    root: str
+    #: ``scheme://bucket`` the keys below are relative to (see :meth:`url`).
+    location: str
+    dry_run: bool
+    #: Keys of the multipart uploads aborted (one entry per upload).
+    aborted_uploads: tuple[str, ...] = ()
+    #: Keys of the objects deleted.
+    deleted_objects: tuple[str, ...] = ()
+    #: Bytes of the objects deleted (parts of aborted uploads not counted).
+    freed_bytes: int = 0
+    #: Prefixes of the committed checkpoints seen (all of them kept).
+    committed_checkpoints: tuple[str, ...] = ()
+    #: ``(key or prefix, reason)`` of everything left alone that looked like garbage.
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def url(self, key: str) -> str:
+        """The URL of a key of this report."""
+        return f"{self.location}/{key}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify` read and checked."""
+
+    uri: str
+    #: Items whose stored bytes matched every recorded CRC32C.
+    items_checked: int
+    #: Items saved without checksums (e.g. by stock torch): not verifiable, not an error.
+    items_unverified: int
+    #: Bytes covered by checksums that were read and matched.
+    bytes_verified: int
+    #: Shard objects the checkpoint references.
+    objects: int
+    seconds: float
+
+    @property
+    def fully_verified(self) -> bool:
+        return self.items_unverified == 0
+
+
+# --------------------------------------------------------------------------
+# Opening a store for a root URI
+
+
+@dataclass
+class _Root:
+    scheme: str
+    bucket: str
+    #: Key prefix of the root without trailing slash ("" for a whole bucket).
+    prefix: str
+    store: RetryingStore
+    raw: ObjectStore
+    transfer: TransferConfig
+    retry: RetryConfig
+    #: Whether this module opened the store (and so closes it).
+    owned: bool
+
+    def close(self) -> None:
+        if self.owned:
+            self.raw.close()
+
+    def list_prefix(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def url(self, key: str) -> str:
+        return self.raw.url(key)
+
+    def checkpoint_uri(self, prefix: str) -> str:
+        return str(CheckpointURI(self.scheme, self.bucket, prefix))
+
+
+def _parse_root(uri: str, schemes: tuple[str, ...]) -> CheckpointURI:
+    """Like :func:`parse_uri`, but ``s3://bucket`` (a whole bucket) is allowed."""
+    text = str(uri)
+    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://([^/]*)/*$", text)
+    if match and match.group(1).lower() != "file" and match.group(2):
+        probe = parse_uri(f"{text.rstrip('/')}/x", schemes)  # validates scheme and bucket name
+        return CheckpointURI(probe.scheme, probe.bucket, "")
+    return parse_uri(text, schemes)
+
+
+def _open(
+    uri: str,
+    transfer: TransferConfig | None,
+    retry: RetryConfig | None,
+    store_kwargs: dict[str, Any],
+    *,
+    root: bool,
+    store: ObjectStore | None = None,
+) -> _Root:
+    from ..dcp.api import _gcs_backend, _s3_backend
+    from ..dcp.backend import LocalBackend
+
+    if not isinstance(uri, str):
+        uri = str(uri)
+    schemes = (store.scheme,) if store is not None else _SCHEMES
+    parsed = _parse_root(uri, schemes) if root else parse_uri(uri, schemes)
+    allowed = () if store is not None else _STORE_OPTIONS[parsed.scheme]
+    unknown = sorted(set(store_kwargs) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {unknown} for {parsed.scheme}:// URIs"
+            + (" with an explicit store=" if store is not None else f"; accepted: {list(allowed) or 'none'}")
+        )
+    transfer = transfer or TransferConfig()
+    retry = retry or RetryConfig()
+    if store is not None:
+        if parsed.bucket != store.bucket:
+            raise ConfigError(f"{uri!r} names bucket {parsed.bucket!r} but store= is bound to {store.bucket!r}")
+        return _Root(parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(store, retry), store, transfer, retry, False)
+    if parsed.scheme == "s3":
+        backend: Any = _s3_backend(
+            store_kwargs.get("endpoint_url"),
+            store_kwargs.get("region"),
+            store_kwargs.get("config"),
+            store_kwargs.get("part_limits"),
+        )
+    elif parsed.scheme == "gs":
+        backend = _gcs_backend(
+            store_kwargs.get("project"),
+            store_kwargs.get("endpoint"),
+            store_kwargs.get("credentials"),
+            store_kwargs.get("config"),
+        )
+    else:
+        backend = LocalBackend()
+    raw = backend.open_store(parsed.bucket, transfer, retry)
+    return _Root(parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(raw, retry), raw, transfer, retry, True)
+
+
+def _dirname(key: str) -> str:
+    return key.rpartition("/")[0]
+
+
+def _basename(key: str) -> str:
+    return key.rpartition("/")[2]
+
+
+def _is_shard(key: str) -> bool:
+    return bool(_SHARD_RE.match(_basename(key)))
+
+
+def _group(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
+    """Objects of every checkpoint prefix (a directory holding ``.metadata`` or a shard), by prefix."""
+    by_dir: dict[str, list[ObjectInfo]] = defaultdict(list)
+    for obj in objects:
+        by_dir[_dirname(obj.key)].append(obj)
+    return {
+        prefix: objs
+        for prefix, objs in sorted(by_dir.items())
+        if prefix and any(_basename(o.key) == _METADATA or _is_shard(o.key) for o in objs)
+    }
+
+
+def _newest(objs: Iterable[ObjectInfo]) -> float | None:
+    """Newest modification time, or None if any object's time is unknown."""
+    times = [o.modified for o in objs]
+    if not times or any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None)

@@ -1,0 +1,46 @@
+"""list_checkpoints: every checkpoint prefix under a root, committed or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..store.protocol import ObjectStore
+from .common import _METADATA, CheckpointInfo, _basename, _group, _is_shard, _open
+
+
+def list_checkpoints(
+    uri: str,
+    *,
+    transfer: TransferConfig | None = None,
+    retry: RetryConfig | None = None,
+    store: ObjectStore | None = None,
+    **store_kwargs: Any,
+) -> list[CheckpointInfo]:
+    """Every checkpoint prefix under the root ``uri``, committed or not, sorted by prefix.
+
+    Lists objects only (no metadata is read). Raises BucketNotFoundError /
+    AccessDeniedError for an unusable bucket.
+    """
+    root = _open(uri, transfer, retry, store_kwargs, root=True, store=store)
+    try:
+        root.store.check_bucket()
+        found = []
+        for prefix, objs in _group(root.store.list(root.list_prefix())).items():
+            meta = next((o for o in objs if _basename(o.key) == _METADATA), None)
+            times = [o.modified for o in objs if o.modified is not None]
+            found.append(
+                CheckpointInfo(
+                    uri=root.checkpoint_uri(prefix),
+                    prefix=prefix,
+                    committed=meta is not None,
+                    total_bytes=sum(o.size for o in objs),
+                    object_count=len(objs),
+                    shard_count=sum(1 for o in objs if _is_shard(o.key)),
+                    save_time=meta.modified if meta is not None else None,
+                    last_modified=max(times) if times else None,
+                )
+            )
+        return found
+    finally:
+        root.close()

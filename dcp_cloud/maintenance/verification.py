@@ -1,0 +1,194 @@
+"""verify: read every checksummed byte of a committed checkpoint and check its CRC32C."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
+from ..store.protocol import ObjectStore
+from ..transfer.engine import TransferEngine
+from .common import _METADATA, VerifyReport, _open, _Root, log
+
+
+@dataclass
+class _Piece:
+    """A block-aligned run of one item's checked bytes: where it is, and how to check it."""
+
+    start: int  # object offset
+    length: int
+    region_offset: int  # offset inside the item's checked region
+    check: Callable[[int, memoryview], None]
+
+
+@dataclass
+class _Job:
+    key: str
+    start: int
+    end: int
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+def _jobs_for(key: str, pieces: list[_Piece], chunk: int, gap: int) -> list[_Job]:
+    """Merge pieces (sorted by offset) into reads of at most ``chunk`` bytes."""
+    jobs: list[_Job] = []
+    for piece in sorted(pieces, key=lambda p: p.start):
+        end = piece.start + piece.length
+        last = jobs[-1] if jobs else None
+        if last is not None and piece.start - last.end <= gap and end - last.start <= chunk and piece.start >= last.end:
+            last.end = end
+            last.pieces.append(piece)
+        else:
+            jobs.append(_Job(key, piece.start, end, [piece]))
+    return jobs
+
+
+def verify(
+    uri: str,
+    *,
+    transfer: TransferConfig | None = None,
+    retry: RetryConfig | None = None,
+    store: ObjectStore | None = None,
+    **store_kwargs: Any,
+) -> VerifyReport:
+    """Read every checksummed byte of the committed checkpoint at ``uri`` and check its CRC32C.
+
+    Reads go through the transfer engine in block-aligned ranges of at most
+    ``transfer.read_chunk_size`` bytes, with at most ``transfer.memory_budget``
+    bytes in flight, whatever the checkpoint's size. Stops at the **first**
+    mismatch, raising ChecksumMismatchError naming the item, the object and
+    the byte range. Items saved without checksums (stock torch) are counted
+    as unverified, not as errors. Raises CheckpointNotFoundError if nothing is
+    committed at ``uri``, CorruptCheckpointError if the metadata is unreadable
+    or a shard object is missing or truncated.
+    """
+    from ..dcp.checksum import verify_blocks
+    from ..dcp.layout import extras_of, load_metadata
+
+    started = time.perf_counter()
+    root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
+    try:
+        store = root.store
+        checkpoint = root.checkpoint_uri(root.prefix)
+        meta_key = f"{root.prefix}/{_METADATA}"
+        try:
+            body = store.get(meta_key)
+        except ObjectNotFoundError as exc:
+            store.check_bucket()
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {checkpoint} ({root.url(meta_key)} does not exist); "
+                "`dcp-cloud ls` lists the checkpoints under a prefix"
+            ) from exc
+        metadata = load_metadata(body, root.url(meta_key))
+
+        pieces: dict[str, list[_Piece]] = defaultdict(list)
+        needed: dict[str, int] = defaultdict(int)  # key -> bytes the records say it has at least
+        checked = unverified = 0
+        chunk_target = root.transfer.read_chunk_size
+        for index, info in metadata.storage_data.items():
+            relative = getattr(info, "relative_path", None)
+            if not isinstance(relative, str):
+                raise CorruptCheckpointError(f"{root.url(meta_key)}: the storage record of {index.fqn!r} names no object")
+            key = f"{root.prefix}/{relative}"
+            needed[key] = max(needed[key], int(info.offset) + int(info.length))
+            extras = extras_of(info)
+            if extras is None or extras.block_size <= 0:
+                unverified += 1
+                continue
+            checked += 1
+            base = int(info.offset) + (extras.raw_offset or 0)
+            block = extras.block_size
+            chunk = max(block, (chunk_target // block) * block)
+            what = f"{index.fqn!r}{'' if index.offset is None else f' (chunk at {list(index.offset)})'} in {root.url(key)}"
+
+            def check(region_offset: int, data: memoryview, extras=extras, what=what, base=base) -> None:
+                verify_blocks(
+                    [(region_offset, data)], extras.block_size, extras.checked_length, extras.crcs,
+                    describe=what, base_offset=base,
+                )
+
+            for off in range(0, extras.checked_length, chunk):
+                length = min(chunk, extras.checked_length - off)
+                pieces[key].append(_Piece(base + off, length, off, check))
+
+        for key, size in sorted(needed.items()):
+            try:
+                have = store.head(key).size
+            except ObjectNotFoundError as exc:
+                raise CorruptCheckpointError(
+                    f"{root.url(key)}, which the committed metadata of {checkpoint} references, does not exist; "
+                    "the checkpoint is damaged -- load an earlier one"
+                ) from exc
+            if have < size:
+                raise CorruptCheckpointError(
+                    f"{root.url(key)} has {have} bytes but the metadata of {checkpoint} places items up to byte "
+                    f"{size}: the object is truncated"
+                )
+
+        jobs = [
+            job
+            for key in sorted(pieces)
+            for job in _jobs_for(key, pieces[key], max(chunk_target, 1), root.transfer.coalesce_gap)
+        ]
+        verified = _run_jobs(root, jobs)
+    finally:
+        root.close()
+    report = VerifyReport(
+        uri=checkpoint,
+        items_checked=checked,
+        items_unverified=unverified,
+        bytes_verified=verified,
+        objects=len(needed),
+        seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "verified %s: %d item(s), %d bytes match their checksums; %d item(s) without checksums",
+        checkpoint,
+        report.items_checked,
+        report.bytes_verified,
+        report.items_unverified,
+    )
+    return report
+
+
+def _run_jobs(root: _Root, jobs: list[_Job]) -> int:
+    """Read and check every job with bounded memory; returns the bytes verified."""
+    verified = 0
+    with TransferEngine(root.raw, root.transfer, root.retry) as engine:
+        budget = engine.budget
+        pending: deque[tuple[_Job, bytearray, list[Future[None]]]] = deque()
+
+        def land() -> int:
+            job, buf, futures = pending.popleft()
+            try:
+                for fut in futures:
+                    fut.result()
+                view = memoryview(buf)
+                for piece in job.pieces:
+                    rel = piece.start - job.start
+                    piece.check(piece.region_offset, view[rel : rel + piece.length])
+                return sum(p.length for p in job.pieces)
+            finally:
+                budget.release(len(buf))
+
+        try:
+            for job in jobs:
+                size = job.end - job.start
+                while pending and budget.used + size > budget.capacity:
+                    verified += land()
+                budget.acquire(size)
+                buf = bytearray(size)
+                pending.append((job, buf, engine.read(job.key, job.start, [memoryview(buf)])))
+            while pending:
+                verified += land()
+        finally:
+            for _, buf, futures in pending:  # after a failure: let reads end before buffers go
+                for fut in futures:
+                    fut.exception()
+                budget.release(len(buf))
+    return verified

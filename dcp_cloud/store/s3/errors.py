@@ -1,0 +1,197 @@
+"""Error translation of the S3 store: the only place that decides which typed error a failure is."""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+from typing import Any
+
+from ...errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CorruptCheckpointError,
+    DcpCloudError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    TransientStoreError,
+)
+
+_BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "RequestTimeTooSkewed",
+        "Forbidden",
+        "403",
+    }
+)
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+        "BandwidthLimitExceeded",
+        "OperationAborted",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+_RANGE_CODES = frozenset({"InvalidRange", "416"})
+_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "301"})
+
+
+def _s3_url(bucket: str, key: str | None) -> str:
+    return f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+
+
+def _caused_by_cert_failure(exc: BaseException) -> bool:
+    """True if a TLS certificate check (not a dropped connection) is behind ``exc``."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        cur = todo.pop()
+        if not isinstance(cur, BaseException) or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            return True
+        todo.extend([cur.__cause__, cur.__context__, *cur.args])
+        kwargs = getattr(cur, "kwargs", None)
+        if isinstance(kwargs, dict):
+            todo.append(kwargs.get("error"))
+    return False
+
+
+def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "access") -> DcpCloudError:
+    """Map a boto3/botocore/urllib3/socket failure to a dcp_cloud error.
+
+    Decides on error codes, HTTP statuses and exception types only, never on
+    message text. The caller raises the result ``from exc``. Messages name
+    the object and say what to do; they never contain credentials or bodies.
+    """
+    from botocore import exceptions as bce
+    from urllib3 import exceptions as u3e
+
+    if isinstance(exc, DcpCloudError):
+        return exc
+    where = _s3_url(bucket, key)
+
+    if isinstance(exc, bce.ClientError):
+        response = getattr(exc, "response", None) or {}
+        error = response.get("Error") or {}
+        code = str(error.get("Code") or "")
+        meta = response.get("ResponseMetadata") or {}
+        status = meta.get("HTTPStatusCode")
+        if status is None and code.isdigit():  # HEAD errors carry the status as their code
+            status = int(code)
+        request_id = meta.get("RequestId") or ""
+        detail = f"S3 error {code or '?'}, HTTP {status if status is not None else '?'}"
+        if request_id:
+            detail += f", request id {request_id}"
+
+        if code in _BUCKET_MISSING_CODES or (key is None and status == 404 and code in ("", "404", "NotFound")):
+            return BucketNotFoundError(
+                f"bucket {bucket!r} does not exist ({where}; {detail}): create the bucket or fix the URI "
+                "(and check the endpoint/region point at the right service)"
+            )
+        if code in _ACCESS_CODES or status == 403:
+            hint = (
+                "the system clock is off; sync it (NTP)"
+                if code == "RequestTimeTooSkewed"
+                else "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE, "
+                f"and that the identity may {action} in bucket {bucket!r} (S3 also answers 403 for a "
+                "missing key when the identity may not list the bucket)"
+            )
+            return AccessDeniedError(f"access denied to {where} ({detail}): {hint}")
+        if code == "NoSuchKey" or (status == 404 and code in ("", "404", "NotFound")):
+            return ObjectNotFoundError(f"{where} does not exist ({detail})")
+        if code in _PRECONDITION_CODES or status == 412:
+            return PreconditionFailedError(
+                f"{where} already exists or was changed by a concurrent writer ({detail}); "
+                "nothing was overwritten"
+            )
+        if code in _RANGE_CODES or status == 416:
+            return CorruptCheckpointError(
+                f"{where} is shorter than the byte range asked for ({detail}): the object is truncated "
+                "or does not belong to this checkpoint"
+            )
+        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
+            return TransientStoreError(
+                f"S3 could not {action} {where} right now ({detail}): the service is throttling or "
+                "unavailable; retry later or lower the request concurrency"
+            )
+        if code in _REGION_CODES or status == 301:
+            return StoreError(
+                f"{where} lives in another region or endpoint ({detail}): set AWS_REGION (or S3Config.region) "
+                "to the bucket's region"
+            )
+        message = str(error.get("Message") or "")[:200]
+        return StoreError(f"S3 refused to {action} {where} ({detail}){': ' + message if message else ''}")
+
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return AccessDeniedError(
+            f"no usable AWS credentials to {action} {where}: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/container role is available"
+        )
+    if isinstance(exc, bce.ProfileNotFound):
+        return AccessDeniedError(
+            f"the AWS profile named by S3Config.profile / AWS_PROFILE does not exist (needed to {action} {where}): "
+            "fix the profile name or define it in ~/.aws/config"
+        )
+    if isinstance(
+        exc,
+        (
+            bce.CredentialRetrievalError,
+            bce.NoAuthTokenError,
+            bce.TokenRetrievalError,
+            bce.SSOError,
+            bce.UnknownCredentialError,
+        ),
+    ):
+        return AccessDeniedError(
+            f"could not obtain AWS credentials to {action} {where} ({type(exc).__name__}): "
+            "check AWS_PROFILE / SSO login / the instance role"
+        )
+    if isinstance(exc, bce.SSLError) and _caused_by_cert_failure(exc):
+        return StoreError(
+            f"TLS certificate of the S3 endpoint was rejected while trying to {action} {where}: "
+            "fix the endpoint URL or AWS_CA_BUNDLE"
+        )
+    transient_types: tuple[type[BaseException], ...] = (
+        bce.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, SSLError, ProxyConnectionError
+        bce.HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
+        bce.IncompleteReadError,
+        u3e.ProtocolError,
+        u3e.TimeoutError,
+        u3e.IncompleteRead,
+        u3e.SSLError,
+        http.client.IncompleteRead,
+        http.client.HTTPException,
+        ConnectionError,  # builtin: reset, aborted, refused, broken pipe
+        TimeoutError,
+    )
+    if isinstance(exc, transient_types):
+        return TransientStoreError(
+            f"connection to S3 failed while trying to {action} {where} ({type(exc).__name__}): "
+            "the network or the endpoint is unavailable; retry, and check the endpoint URL if it persists"
+        )
+    return StoreError(f"could not {action} {where} ({type(exc).__name__})")
