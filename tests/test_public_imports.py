@@ -57,8 +57,8 @@ def test_name_importable_from_its_old_module(module: str, name: str) -> None:
     assert hasattr(mod, name), f"{module}.{name} is gone"
 
 
-def test_package_all_is_unchanged() -> None:
-    assert sorted(dcp_cloud.__all__) == sorted(PUBLIC["dcp_cloud"])
+def test_package_all_keeps_every_name() -> None:
+    assert set(dcp_cloud.__all__) >= set(PUBLIC["dcp_cloud"]), "a public name left dcp_cloud.__all__"
 
 
 def test_old_all_lists_still_hold() -> None:

@@ -31,6 +31,7 @@ from dcp_cloud.store.retry import RetryHooks, RetryingStore, backoff_delay, call
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte, truncate_object
 from dcp_cloud.transfer.engine import TransferEngine
+from dcp_cloud.transfer.upload import open_writer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -276,7 +277,7 @@ SMALL = TransferConfig(
 
 
 def _upload(engine: TransferEngine, key: str, data: bytes, piece: int = 10_000) -> None:
-    writer = engine.open_writer(key)
+    writer = open_writer(engine, key)
     for i in range(0, len(data), piece):
         writer.write(data[i : i + piece])
     writer.commit()
@@ -344,7 +345,7 @@ def test_permanent_part_failure_aborts_the_upload_and_commits_nothing(nth: int) 
     faulty = FaultyStore(mem, StoreFaultPlan(transient=0.2, seed=nth, fail_nth={"put_part": nth}))
     data = os.urandom(640 * KiB)  # 10 parts
     with TransferEngine(faulty, SMALL, FAST_RETRY) as engine:
-        writer = engine.open_writer("obj")
+        writer = open_writer(engine, "obj")
         with pytest.raises(StoreError, match="injected permanent failure of put_part"):
             try:  # as CloudWriter.write_data does: a failed write is aborted
                 for i in range(0, len(data), 10_000):

@@ -22,7 +22,7 @@ from dcp_cloud.store.protocol import PartInfo
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan
 from dcp_cloud.transfer.engine import TransferEngine
-from dcp_cloud.transfer.upload import MIN_BORROWED_WRITE
+from dcp_cloud.transfer.upload import MIN_BORROWED_WRITE, open_writer
 
 KiB = 1024
 PART = 256 * KiB
@@ -69,7 +69,7 @@ def _write(engine: TransferEngine, key: str, ops: Sequence[Op], seed: int = 0) -
     rng = np.random.default_rng(seed)
     expected = bytearray()
     owned: list[bytearray] = []
-    writer = engine.open_writer(key)
+    writer = open_writer(engine, key)
     try:
         for kind, n in ops:
             chunk = bytearray(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
@@ -103,7 +103,7 @@ def test_borrowed_bytes_are_sent_from_the_callers_memory() -> None:
     store = RecordingStore()
     tensor = bytearray(os.urandom(3 * PART + 123))
     with TransferEngine(store, CONFIG, RETRY) as engine:
-        writer = engine.open_writer("obj")
+        writer = open_writer(engine, "obj")
         writer.write(b"header" * 10)
         writer.write_view(memoryview(tensor), tensor)
         writer.write(b"trailer")
@@ -120,7 +120,7 @@ def test_short_borrowed_writes_are_copied() -> None:
     store = RecordingStore()
     small = bytearray(MIN_BORROWED_WRITE - 1)
     with TransferEngine(store, CONFIG, RETRY) as engine:
-        writer = engine.open_writer("obj")
+        writer = open_writer(engine, "obj")
         writer.write_view(memoryview(small), small)
         writer.write_view(memoryview(small), small)
         writer.commit()
@@ -135,7 +135,7 @@ def test_owner_lives_until_its_parts_are_sent() -> None:
         pass
 
     with TransferEngine(store, CONFIG, RETRY) as engine:
-        writer = engine.open_writer("obj")
+        writer = open_writer(engine, "obj")
         owner = Owner(os.urandom(2 * PART))
         ref = weakref.ref(owner)
         writer.write_view(memoryview(owner), owner)
@@ -153,7 +153,7 @@ def test_parts_in_flight_are_bounded() -> None:
     data = bytearray(os.urandom(12 * PART))
     config = TransferConfig(part_size=PART, max_inflight_parts=2, concurrency=6, multipart_threshold=PART)
     with TransferEngine(store, config, RETRY) as engine:
-        writer = engine.open_writer("obj")
+        writer = open_writer(engine, "obj")
         writer.write_view(memoryview(data), data)
         writer.commit()
     assert store.get("obj") == bytes(data)

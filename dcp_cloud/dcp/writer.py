@@ -31,7 +31,7 @@ from torch.futures import Future
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..transfer.ranges import plan_part_size
-from ..transfer.upload import ObjectWriter
+from ..transfer.upload import ObjectWriter, open_writer
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
@@ -296,7 +296,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             key = self.uri.key(shard.name)
             size_hint = sum(_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items)
             with self._engine() as engine:
-                stream = engine.open_writer(key, size_hint)
+                stream = open_writer(engine, key, size_hint)
                 try:
                     for item in items:
                         results.append(self._write_item(stream, shard.name, item, planner))

@@ -104,8 +104,8 @@ class TransferEngine:
         self.close()
 
     # -- uploads ----------------------------------------------------------
-    # The stream that uploads one object is dcp_cloud.transfer.upload.open_writer(engine, key, size_hint),
-    # which builds on this module (this module needs nothing from that one).
+    # The stream that uploads one object is dcp_cloud.transfer.upload.open_writer(engine, key, size_hint):
+    # upload builds on the engine, never the other way round.
     def part_size_for(self, size_hint: int | None) -> int:
         return plan_part_size(size_hint, self.config.part_size, self.store.limits)
 

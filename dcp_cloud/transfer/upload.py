@@ -279,8 +279,3 @@ def open_writer(
     """A stream that uploads ``key`` through ``engine``; ``size_hint`` lets huge objects get bigger parts."""
     return ObjectWriter(engine, key, engine.part_size_for(size_hint), create_only=create_only)
 
-
-# Callers written as ``engine.open_writer(key, size_hint)`` (dcp/writer.py, tests) keep working: the method
-# is this function, attached here so that engine.py imports nothing from this module. Drop it once every
-# caller uses open_writer(engine, ...).
-TransferEngine.open_writer = open_writer  # type: ignore[attr-defined]
