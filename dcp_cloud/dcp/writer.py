@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -30,6 +31,7 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
+from . import framing
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
@@ -64,7 +66,13 @@ class _ItemTap(io.RawIOBase):
     """
 
     def __init__(
-        self, sink: ObjectWriter, tensor: torch.Tensor | None, hasher: BlockHasher | None, *, owner: Any = None
+        self,
+        sink: ObjectWriter,
+        tensor: torch.Tensor | None,
+        hasher: BlockHasher | None,
+        *,
+        owner: Any = None,
+        capture: bool = False,
     ) -> None:
         super().__init__()
         self.sink = sink
@@ -76,6 +84,8 @@ class _ItemTap(io.RawIOBase):
         self._hasher = hasher
         self._pending = bytearray()
         self._pos = 0
+        #: With ``capture``: the bytes before and after the raw bytes (see :mod:`.framing`).
+        self._framing = (bytearray(), bytearray()) if capture else None
         #: The first error the object stream raised (torch.save hides it, see _write_item).
         self.error: BaseException | None = None
 
@@ -92,6 +102,9 @@ class _ItemTap(io.RawIOBase):
             self.raw_offset = self._pos
             if self._hasher is not None:
                 self._hasher.update(mv)
+        elif self._framing is not None:
+            part = self._framing[self.raw_offset is not None]
+            part += mv
         self._pos += n
         if n < MIN_BORROWED_WRITE:
             self._pending += mv
@@ -117,6 +130,33 @@ class _ItemTap(io.RawIOBase):
         """Pass on what is gathered; returns the item's length."""
         self._flush()
         return self._pos
+
+    @property
+    def framing(self) -> tuple[bytes, bytes] | None:
+        """``(header, trailer)`` around the raw bytes, when captured."""
+        if self._framing is None or self.raw_offset is None:
+            return None
+        return bytes(self._framing[0]), bytes(self._framing[1])
+
+
+def _write_framed(
+    sink: ObjectWriter, tensor: torch.Tensor, frame: tuple[bytes, bytes], hasher: BlockHasher | None, owner: Any
+) -> int:
+    """Write ``tensor`` as torch.save would, from learned framing (see :mod:`.framing`); returns the raw offset."""
+    header, trailer = frame
+    raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    if hasher is not None:
+        hasher.update(raw)
+    if owner is not None and len(raw) >= MIN_BORROWED_WRITE:
+        sink.write(header)
+        sink.write_view(raw, owner)
+        sink.write(trailer)
+    else:
+        whole = bytearray(header)
+        whole += raw
+        whole += trailer
+        sink.write(whole)
+    return len(header)
 
 
 def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -191,6 +231,7 @@ class CloudWriter(CloudBase, StorageWriter):
         self.is_coordinator = True
         self.save_id = ""
         self._started = 0.0
+        self._alignment = 0
         self._begin()
 
     # -- per-checkpoint start ----------------------------------------------
@@ -255,6 +296,8 @@ class CloudWriter(CloudBase, StorageWriter):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        # torch.save's storage alignment, read once per save (a process setting that framing depends on)
+        self._alignment = framing.storage_alignment() if items else 0
         if items:
             key = self.uri.key(shard.name)
             size_hint = sum(_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items)
@@ -292,34 +335,52 @@ class CloudWriter(CloudBase, StorageWriter):
             tap.finish()
             raw_offset, checked = None, len(payload)
             del payload
+            start = tap.start
         else:
-            tensor, temporary = _host_tensor(data)
-            # The caller's memory is uploaded in place (``data`` stays referenced
-            # with it); a temporary host copy is copied into part buffers instead,
-            # so it can be freed at once (kept alive by in-flight parts,
-            # temporaries would add to peak memory).
-            tap = _ItemTap(stream, tensor, hasher, owner=None if temporary else (tensor, data))
-            try:
-                save_tensor(tensor, tap)
-            except BaseException:
-                # torch's zip writer turns an exception of write() into its own
-                # RuntimeError ("unexpected pos ..."): surface the store's typed error.
-                if tap.error is not None:
-                    raise tap.error
-                raise
-            tap.finish()
-            if tap.raw_offset is None and tensor.nbytes == 0:
-                tap.raw_offset = 0  # nothing to read back
-            if tap.raw_offset is None:
-                raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
-            raw_offset, checked = tap.raw_offset, tensor.nbytes
-        length = stream.tell() - tap.start
+            start = stream.tell()
+            raw_offset, checked = self._write_tensor(stream, data, hasher, item)
+        length = stream.tell() - start
         extras = ItemExtras(raw_offset, checked, block, hasher.digest() if hasher is not None else b"")
         return WriteResult(
             index=item.index,
             size_in_bytes=length,
-            storage_data=storage_info(name, tap.start, length, extras),
+            storage_data=storage_info(name, start, length, extras),
         )
+
+    def _write_tensor(
+        self, stream: ObjectWriter, data: Any, hasher: BlockHasher | None, item: WriteItem
+    ) -> tuple[int, int]:
+        """torch.save ``data`` into the stream; returns the offset of its raw bytes in what was written, and
+        their length."""
+        tensor, temporary = _host_tensor(data)
+        # The caller's memory is uploaded in place (``data`` stays referenced
+        # with it); a temporary host copy is copied into part buffers instead,
+        # so it can be freed at once (kept alive by in-flight parts,
+        # temporaries would add to peak memory).
+        owner = None if temporary else (tensor, data)
+        layout = framing.layout_of(tensor, self._alignment) if self._alignment else None
+        frame = framing.known(layout) if layout is not None else None
+        if frame is not None:
+            return _write_framed(stream, tensor, frame, hasher, owner), tensor.nbytes
+        tap = _ItemTap(stream, tensor, hasher, owner=owner, capture=layout is not None)
+        try:
+            save_tensor(tensor, tap)
+        except BaseException:
+            # torch's zip writer turns an exception of write() into its own
+            # RuntimeError ("unexpected pos ..."): surface the store's typed error.
+            if tap.error is not None:
+                raise tap.error
+            raise
+        tap.finish()
+        if tap.raw_offset is None and tensor.nbytes == 0:
+            return 0, 0  # nothing to read back
+        if tap.raw_offset is None:
+            raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
+        captured = tap.framing
+        if layout is not None and captured is not None:
+            values = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            framing.learn(layout, *captured, crc32c.crc32c(values).to_bytes(4, "big"))
+        return tap.raw_offset, tensor.nbytes
 
     # -- commit -----------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
