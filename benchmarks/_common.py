@@ -252,13 +252,13 @@ class Target:
 
 
 @contextlib.contextmanager
-def open_target(backend: str, workdir: str, server: str = "moto") -> Iterator[Target]:
+def open_target(backend: str, workdir: str, s3_server: str = "moto") -> Iterator[Target]:
     """Start the server for ``backend`` (with one empty bucket) and stop it afterwards.
 
-    For ``backend="s3"``, ``server`` is ``"moto"`` (moto's server, in Python)
+    For ``backend="s3"``, ``s3_server`` is ``"moto"`` (moto's server, in Python)
     or ``"s3rver"`` (the npm emulator, installed at run time; see _s3rver.py).
     """
-    if backend == "s3" and server == "s3rver":
+    if backend == "s3" and s3_server == "s3rver":
         import _s3rver
 
         with _s3rver.S3rver(workdir) as s3rver:

@@ -99,8 +99,13 @@ class S3rver:
     def start(self) -> S3rver:
         cmd = ["node", self.script, "-d", self.data, "-a", "127.0.0.1", "-p", str(self.port), "--silent"]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        # preexec_fn only sets the parent-death signal (async-signal-safe); the benchmark parents start no threads
         self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=preexec,  # noqa: PLW1509
+            start_new_session=True,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

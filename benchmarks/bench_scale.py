@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +124,7 @@ def _check(sd: dict[str, Any], spec: dict[str, Any]) -> bool:
 class _Counting(io.RawIOBase):
     """Counts read / write calls on a stock DCP stream (its "requests")."""
 
-    counts = {"read": 0, "write": 0, "bytes_read": 0, "bytes_written": 0}
+    counts: ClassVar[dict[str, int]] = {"read": 0, "write": 0, "bytes_read": 0, "bytes_written": 0}
 
     def __init__(self, inner: Any) -> None:
         super().__init__()

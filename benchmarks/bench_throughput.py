@@ -671,7 +671,9 @@ def _git_head(path: str) -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "-C", path, "log", "-1", "--format=%h %s"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", path, "log", "-1", "--format=%h %s"], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
