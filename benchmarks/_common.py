@@ -252,9 +252,24 @@ class Target:
 
 
 @contextlib.contextmanager
-def open_target(backend: str, workdir: str) -> Iterator[Target]:
-    """Start the server for ``backend`` (with one empty bucket) and stop it afterwards."""
-    if backend == "s3":
+def open_target(backend: str, workdir: str, s3_server: str = "moto") -> Iterator[Target]:
+    """Start the server for ``backend`` (with one empty bucket) and stop it afterwards.
+
+    For ``backend="s3"``, ``s3_server`` is ``"moto"`` (moto's server, in Python)
+    or ``"s3rver"`` (the npm emulator, installed at run time; see _s3rver.py).
+    """
+    if backend == "s3" and s3_server == "s3rver":
+        import _s3rver
+
+        with _s3rver.S3rver(workdir) as s3rver:
+            env = s3rver.env(child_env())
+            client = _s3rver.client(s3rver)
+            client.create_bucket(Bucket=BUCKET)
+            yield Target(
+                "s3", env, BUCKET, lambda: _s3rver.empty_bucket(client, BUCKET),
+                f"s3rver {_s3rver.VERSION} (pid {s3rver.pid})", {"server_pid": s3rver.pid},
+            )  # fmt: skip
+    elif backend == "s3":
         import boto3
         from botocore.config import Config
 

@@ -4,6 +4,9 @@
     python benchmarks/bench_throughput.py                       # S3 on a moto server, 512 MiB
     python benchmarks/bench_throughput.py --backend gcs         # fake-gcs-server
     python benchmarks/bench_throughput.py --size-mb 64 --tensors 8 --repeats 2   # quick
+    python benchmarks/bench_throughput.py --server s3rver --size-mb 125 --tensors 2000 \
+        --contenders dcp_cloud --s3tc-target ~/.cache/dcp-cloud-bench/s3tc --ref-path /tmp/main-ref
+                                                                # many small items against peers
 
 Every save and every load runs in a fresh process (so its peak RSS is its
 own); the contenders alternate, in a rotated order, over ``--repeats``
@@ -22,8 +25,13 @@ Contenders:
 * ``dcp_cloud_local``  LocalWriter/LocalReader (file://) on the same local disk;
 * ``dcp_cloud_local_nocrc`` (opt-in) the same with checksums off: with no network in the way,
                        the worst case for what checksumming costs;
-* ``s3torchconnector`` (S3 only, with ``--s3tc-python``) its DCP writer/reader, run by
-                       another interpreter (a virtualenv that has s3torchconnector).
+* ``s3tc_t1``, ``s3tc_t4`` (S3 only, with ``--s3tc-target`` or ``--s3tc-python``)
+                       s3torchconnector's S3StorageWriter(thread_count=1/4)/S3StorageReader
+                       (its default, range-coalescing reader), from a ``pip --target`` directory
+                       put first on sys.path in that contender's child process only, or run by
+                       another interpreter;
+* ``dcp_cloud_ref``    (with ``--ref-path``) the ``dcp_cloud`` contender run from another checkout
+                       (e.g. ``git worktree add /tmp/main-ref main``): old code beside new, one run.
 """
 
 from __future__ import annotations
@@ -46,9 +54,13 @@ import _common as C  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
-ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_local_nocrc")
+ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_local_nocrc", "s3tc_t1", "s3tc_t4", "dcp_cloud_ref")
 LOCAL = ("dcp_cloud_local", "dcp_cloud_local_nocrc")
-CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "s3torchconnector"}
+S3TC = ("s3tc_t1", "s3tc_t4")
+CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "dcp_cloud_ref", *S3TC}
+#: Other libraries (the "peers" the goals compare with).
+PEERS = S3TC
+S3TC_VERSION = "1.5.0"
 LABELS = {
     "dcp_cloud": "dcp_cloud (checksums on)",
     "dcp_cloud_nocrc": "dcp_cloud (checksums off)",
@@ -57,7 +69,9 @@ LABELS = {
     "stock_fs_t4": "stock FileSystemWriter t=4 (local disk)",
     "dcp_cloud_local": "dcp_cloud LocalWriter (local disk)",
     "dcp_cloud_local_nocrc": "dcp_cloud LocalWriter, checksums off",
-    "s3torchconnector": "s3torchconnector DCP (t=4)",
+    "s3tc_t1": f"s3torchconnector {S3TC_VERSION} DCP (t=1)",
+    "s3tc_t4": f"s3torchconnector {S3TC_VERSION} DCP (t=4)",
+    "dcp_cloud_ref": "dcp_cloud (checksums on) from --ref-path",
 }
 
 
@@ -329,6 +343,11 @@ def _stats(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else {}
 
 
+def _module_of(obj: Any) -> str:
+    """Where the contender's class was imported from (shows which checkout a dcp_cloud contender ran)."""
+    return getattr(sys.modules.get(type(obj).__module__), "__file__", None) or type(obj).__module__
+
+
 def _dcp_writer(spec: dict[str, Any]) -> Any:
     import dcp_cloud
 
@@ -361,16 +380,27 @@ def _dcp_reader(spec: dict[str, Any]) -> Any:
     return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c != "dcp_cloud_nocrc"))
 
 
+def _s3tc_config() -> Any:
+    """Path-style addressing: the local servers have no virtual-host DNS (the endpoint comes from AWS_ENDPOINT_URL)."""
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
 def _s3tc_writer(spec: dict[str, Any]) -> Any:
     from s3torchconnector.dcp import S3StorageWriter
 
-    return S3StorageWriter(region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"], thread_count=4)
+    threads = int(spec["contender"].rsplit("_t", 1)[1])
+    return S3StorageWriter(
+        region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"], s3client_config=_s3tc_config(),
+        thread_count=threads,
+    )  # fmt: skip
 
 
 def _s3tc_reader(spec: dict[str, Any]) -> Any:
     from s3torchconnector.dcp import S3StorageReader
 
-    return S3StorageReader(region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"])
+    return S3StorageReader(region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"], s3client_config=_s3tc_config())
 
 
 def _preload(spec: dict[str, Any]) -> None:
@@ -378,7 +408,9 @@ def _preload(spec: dict[str, Any]) -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
     c = spec["contender"]
-    if c == "s3torchconnector":
+    if c in S3TC:
+        if spec.get("s3tc_target"):  # this contender's own copy, first on sys.path (this process only)
+            sys.path.insert(0, spec["s3tc_target"])
         import s3torchconnector.dcp  # noqa: F401
         return
     import dcp_cloud  # noqa: F401
@@ -406,9 +438,9 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     if c == "wire":
         extra = (_wire_s3_save if spec["backend"] == "s3" else _wire_gcs_save)(spec, sd)
     else:
-        writer = _s3tc_writer(spec) if c == "s3torchconnector" else _dcp_writer(spec)
+        writer = _s3tc_writer(spec) if c in S3TC else _dcp_writer(spec)
         dcp.save(sd, storage_writer=writer)
-        extra = {"stats": _stats(writer)}
+        extra = {"stats": _stats(writer), "module": _module_of(writer)}
     seconds = time.perf_counter() - t0
     mem = probe.stop()
     return {"seconds": seconds, "bytes": C.state_dict_bytes(sd), **mem, **extra}
@@ -429,9 +461,9 @@ def child_load(spec: dict[str, Any]) -> dict[str, Any]:
     if c == "wire":
         extra = (_wire_s3_load if spec["backend"] == "s3" else _wire_gcs_load)(spec, dest)
     else:
-        reader = _s3tc_reader(spec) if c == "s3torchconnector" else _dcp_reader(spec)
+        reader = _s3tc_reader(spec) if c in S3TC else _dcp_reader(spec)
         dcp.load(dest, storage_reader=reader)
-        extra = {"stats": _stats(reader)}
+        extra = {"stats": _stats(reader), "module": _module_of(reader)}
     seconds = time.perf_counter() - t0
     mem = probe.stop()
     ok = C.verify_state_dict(dest, seed=spec["seed"]) if spec["verify"] else None
@@ -450,7 +482,11 @@ def _defaults() -> Any:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = _defaults()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("s3", "gcs"), default="s3", help="object store server to start (default s3 = moto)")
+    p.add_argument("--backend", choices=("s3", "gcs"), default="s3", help="object store server to start (default s3)")
+    p.add_argument(
+        "--server", choices=("moto", "s3rver"), default="moto",
+        help="S3 server: moto (Python, default) or s3rver (npm, installed at run time; serves ranges from disk)",
+    )  # fmt: skip
     p.add_argument("--size-mb", type=float, default=512, help="state dict size in MiB (default 512)")
     p.add_argument("--tensors", type=int, default=32, help="number of equal fp32 tensors (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over all contenders (default 3)")
@@ -465,8 +501,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-chunk-mb", type=float, default=d.read_chunk_size / C.MiB, help="TransferConfig.read_chunk_size in MiB")
     p.add_argument("--workdir", default=tempfile.gettempdir(), help="where local-disk contenders write (default: temp dir)")
     p.add_argument(
-        "--s3tc-python", default=None, help="python of a virtualenv with s3torchconnector (adds that contender; s3 only)"
+        "--s3tc-python", default=None, help="python of a virtualenv with s3torchconnector (adds its contenders; s3 only)"
     )
+    p.add_argument(
+        "--s3tc-target", default=None,
+        help=f"directory of a `pip install --no-deps --target DIR s3torchconnector=={S3TC_VERSION} "
+        f"s3torchconnectorclient=={S3TC_VERSION} tenacity` (installed there if missing); put first on sys.path "
+        "in the s3torchconnector children only (adds its contenders; s3 only)",
+    )
+    p.add_argument("--s3tc-threads", default="1,4", help="S3StorageWriter thread counts to run (default 1,4)")
+    p.add_argument(
+        "--ref-path", default=None,
+        help="a second checkout (e.g. `git worktree add /tmp/main-ref main`): adds dcp_cloud_ref, the dcp_cloud "
+        "contender with PYTHONPATH set to it",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="raw results file (default bench-results/throughput-<backend>.json)")
     p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed small warm-up round")
@@ -496,6 +544,10 @@ def _summaries(runs: list[dict[str, Any]], contenders: list[str]) -> dict[str, d
                 "rss_extra_median": C.best_median([r["rss_extra"] for r in ok])[1],
                 "rss_extra_max": max((r["rss_extra"] for r in ok), default=None),
                 "verified": all(r.get("verified") is not False for r in ok) if ok else None,
+                "requests_median": C.best_median(
+                    [sum(r["stats"]["requests"].values()) for r in ok if r.get("stats", {}).get("requests")]
+                )[1],
+                "modules": sorted({r["module"] for r in ok if r.get("module")}),
             }
         out[c] = s
     return out
@@ -503,6 +555,31 @@ def _summaries(runs: list[dict[str, Any]], contenders: list[str]) -> dict[str, d
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def _goals(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """dcp_cloud against the peers present: load >= 1.5x, save >= 1.1x the best, CPU <= the thriftiest."""
+    peers = [p for p in PEERS if p in summary and summary[p]["load"]["n"]]
+    if "dcp_cloud" not in summary or not peers:
+        return []
+    ours = summary["dcp_cloud"]
+    rows = []
+    for op, target in (("save", 1.1), ("load", 1.5)):
+        best = max(peers, key=lambda p: summary[p][op]["mib_s_median"] or 0)
+        ratio = _ratio(ours[op]["mib_s_median"], summary[best][op]["mib_s_median"])
+        rows.append([
+            f"{op} MiB/s", C.fmt(ours[op]["mib_s_median"]), f"{C.fmt(summary[best][op]['mib_s_median'])} ({LABELS[best]})",
+            C.fmt(ratio, 2), f">= {target}", "yes" if ratio is not None and ratio >= target else "no",
+        ])  # fmt: skip
+    for op in ("save", "load"):
+        thrifty = min(peers, key=lambda p: summary[p][op]["cpu_s_median"] or float("inf"))
+        ratio = _ratio(ours[op]["cpu_s_median"], summary[thrifty][op]["cpu_s_median"])
+        rows.append([
+            f"{op} client CPU s", C.fmt(ours[op]["cpu_s_median"], 2),
+            f"{C.fmt(summary[thrifty][op]['cpu_s_median'], 2)} ({LABELS[thrifty]})",
+            C.fmt(ratio, 2), "<= 1.0", "yes" if ratio is not None and ratio <= 1.0 else "no",
+        ])  # fmt: skip
+    return rows
 
 
 def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: dict[str, Any]) -> str:
@@ -514,11 +591,14 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
             note.append(f"{len(sv['errors']) + len(ld['errors'])} failed runs")
         if ld["verified"] is False:
             note.append("LOADED VALUES WRONG")
+        per_item = [None if x is None else 1000 * x / args.tensors for x in (sv["cpu_s_median"], ld["cpu_s_median"])]
         rows.append([
             LABELS.get(c, c),
             f"{C.fmt(sv['mib_s_median'])} ({C.fmt(sv['mib_s_best'])})",
             f"{C.fmt(ld['mib_s_median'])} ({C.fmt(ld['mib_s_best'])})",
             f"{C.fmt(sv['cpu_s_median'], 2)} / {C.fmt(ld['cpu_s_median'], 2)}",
+            f"{C.fmt(per_item[0], 3)} / {C.fmt(per_item[1], 3)}",
+            f"{C.fmt(sv['requests_median'], 0)} / {C.fmt(ld['requests_median'], 0)}",
             C.mib(sv["rss_base_median"]),
             f"{C.mib(sv['rss_extra_median'])} / {C.mib(sv['rss_extra_max'])}",
             f"{C.mib(ld['rss_extra_median'])} / {C.mib(ld['rss_extra_max'])}",
@@ -526,13 +606,14 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
         ])  # fmt: skip
     head = (
         f"### Throughput: {args.size_mb:g} MiB state dict ({args.tensors} x {args.size_mb / args.tensors:g} MiB fp32), "
-        f"backend {args.backend}, {args.repeats} repeats\n\n"
+        f"backend {args.backend} ({args.server if args.backend == 's3' else 'fake-gcs-server'}), {args.repeats} repeats, "
+        "each op in a fresh process\n\n"
         f"part_size {args.part_mb:g} MiB, max_inflight_parts {args.inflight}, concurrency {args.concurrency}, "
         f"read_chunk_size {args.read_chunk_mb:g} MiB; load average at start {env.get('loadavg_start')}\n\n"
     )
     table = C.markdown_table(
         ["contender", "save MiB/s median (best)", "load MiB/s median (best)",
-         "client CPU s save / load", "RSS base MiB",
+         "client CPU s save / load", "CPU ms per item save / load", "requests save / load", "RSS base MiB",
          "save extra peak MiB median / max", "load extra peak MiB median / max", "notes"],
         rows,
     )  # fmt: skip
@@ -554,13 +635,48 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
     ratio_row("checksums on / off", "dcp_cloud", "dcp_cloud_nocrc", ">= 0.95 (checksums cost < 5%)")
     ratio_row("dcp_cloud local / stock t=1", "dcp_cloud_local", "stock_fs_t1", "")
     ratio_row("local disk: checksums on / off", "dcp_cloud_local", "dcp_cloud_local_nocrc", "")
-    ratio_row("dcp_cloud / s3torchconnector", "dcp_cloud", "s3torchconnector", "")
+    for peer in PEERS:
+        ratio_row(f"dcp_cloud / {LABELS[peer]}", "dcp_cloud", peer, "")
+    ratio_row("dcp_cloud / dcp_cloud_ref (new / old code)", "dcp_cloud", "dcp_cloud_ref", ">= 1.0 (no regression)")
     out = head + table
+    refs = summary.get("dcp_cloud_ref", {}).get("load", {}).get("modules")
+    if refs:
+        out += f"\n\ndcp_cloud_ref ran {', '.join(refs)}; dcp_cloud ran {', '.join(summary['dcp_cloud']['load']['modules'])}"
+    goals = _goals(summary)
+    if goals:
+        out += "\n\nGoals against the best peer (throughput by median; client CPU against the thriftiest peer):\n\n"
+        out += C.markdown_table(["goal", "dcp_cloud", "best peer", "ratio", "target", "met"], goals)
     if ratios:
         out += "\n\nRatios, A / B: throughput median (best), and client CPU seconds (median):\n\n" + C.markdown_table(
             ["ratio A / B", "save MiB/s", "load MiB/s", "save CPU s", "load CPU s", "target (throughput)"], ratios
         )
     return out
+
+
+def _install_s3tc(target: str) -> None:
+    """``pip install --no-deps --target`` s3torchconnector beside (not into) this environment, if missing."""
+    if os.path.isdir(os.path.join(target, "s3torchconnector")):
+        return
+    print(f"installing s3torchconnector {S3TC_VERSION} into {target} ...", file=sys.stderr, flush=True)
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target,
+         f"s3torchconnector=={S3TC_VERSION}", f"s3torchconnectorclient=={S3TC_VERSION}", "tenacity"],
+        check=True,
+    )  # fmt: skip
+
+
+def _git_head(path: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", path, "log", "-1", "--format=%h %s"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,11 +689,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     if unknown:
         sys.exit(f"unknown contenders {unknown}; choose from {ALL_CONTENDERS}")
-    if args.s3tc_python:
+    if any(c in S3TC for c in contenders) and not (args.s3tc_python or args.s3tc_target):
+        sys.exit("s3tc_* contenders need --s3tc-target or --s3tc-python")
+    if "dcp_cloud_ref" in contenders and not args.ref_path:
+        sys.exit("dcp_cloud_ref needs --ref-path")
+    if args.s3tc_python or args.s3tc_target:
         if args.backend != "s3":
-            sys.exit("--s3tc-python works with --backend s3 only")
-        contenders.append("s3torchconnector")
-    json_path = args.json or C.default_results_path(f"throughput-{args.backend}.json")
+            sys.exit("--s3tc-python / --s3tc-target work with --backend s3 only")
+        if args.s3tc_target:
+            _install_s3tc(args.s3tc_target)
+        contenders += [f"s3tc_t{int(t)}" for t in args.s3tc_threads.split(",") if f"s3tc_t{int(t)}" not in contenders]
+        unknown = [c for c in contenders if c not in ALL_CONTENDERS]
+        if unknown:
+            sys.exit(f"--s3tc-threads: thread counts other than 1 and 4 are not set up ({unknown})")
+    if args.ref_path and "dcp_cloud_ref" not in contenders:
+        if not os.path.isfile(os.path.join(args.ref_path, "dcp_cloud", "__init__.py")):
+            sys.exit(f"--ref-path {args.ref_path} has no dcp_cloud package")
+        contenders.append("dcp_cloud_ref")
+    server = args.server if args.backend == "s3" else "fake-gcs"
+    json_path = args.json or C.default_results_path(
+        f"throughput-{args.backend}-{server}-{args.tensors}x{args.size_mb / args.tensors:g}MiB.json"
+    )
     env_info = C.environment()
     base_spec = {
         "backend": args.backend,
@@ -594,19 +726,24 @@ def main(argv: list[str] | None = None) -> int:
     local_root = tempfile.mkdtemp(prefix="dcp-cloud-bench-local-", dir=args.workdir)
     print(f"{args.backend}: {', '.join(contenders)}; {args.repeats} repeats of {args.size_mb:g} MiB", file=sys.stderr)
     try:
-        with C.open_target(args.backend, args.workdir) as target:
+        with C.open_target(args.backend, args.workdir, args.server) as target:
 
             def one(contender: str, spec_over: dict[str, Any], round_no: int, record: bool) -> None:
                 name = f"r{round_no}-{contender}"
                 spec = {**base_spec, **spec_over, "contender": contender, "uri": target.uri(name),
                         "path": os.path.join(local_root, name)}  # fmt: skip
-                python = args.s3tc_python if contender == "s3torchconnector" else None
+                python = args.s3tc_python if contender in S3TC else None
+                env = target.env
+                if contender in S3TC and args.s3tc_target:
+                    spec["s3tc_target"] = os.path.abspath(args.s3tc_target)
+                if contender == "dcp_cloud_ref":
+                    env = {**env, "PYTHONPATH": os.path.abspath(args.ref_path)}
                 save_failed = False
                 for op in ("save", "load"):
                     if save_failed:
                         result: dict[str, Any] = {"error": "not run: the save failed"}
                     else:
-                        result = C.run_child(SCRIPT, {**spec, "kind": op}, env=target.env, python=python, timeout=args.timeout)
+                        result = C.run_child(SCRIPT, {**spec, "kind": op}, env=env, python=python, timeout=args.timeout)
                         save_failed = "error" in result
                     result.update(contender=contender, op=op, round=round_no)
                     result["server_rss_after"] = C.server_rss(target.extra.get("server_pid"))
@@ -640,6 +777,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if args.s3tc_python:
         env_info["s3torchconnector_python"] = args.s3tc_python
+    if args.s3tc_target:
+        env_info["s3torchconnector_target"] = os.path.abspath(args.s3tc_target)
+    if args.ref_path:
+        env_info["ref_path"] = os.path.abspath(args.ref_path)
+        env_info["ref_head"] = _git_head(args.ref_path)
+    env_info["head"] = _git_head(os.path.dirname(os.path.dirname(SCRIPT)))
     summary = _summaries(runs, contenders)
     text = render(summary, args, env_info)
     C.write_results(json_path, {"benchmark": "throughput", "args": vars(args), "environment": env_info,

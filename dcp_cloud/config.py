@@ -49,9 +49,18 @@ class TransferConfig:
     multipart_threshold: int = 16 * MiB
     #: Ranged reads are split into pieces of at most this size, read in parallel.
     read_chunk_size: int = 16 * MiB
-    #: Two wanted ranges closer than this are fetched with one request; the
-    #: gap is read into scratch memory and discarded.
+    #: Two wanted ranges (of one item or of neighbouring items) closer than
+    #: this may be fetched with one request; the gap is read into scratch
+    #: memory and discarded. Across items ``coalesce_ratio`` bounds it too.
     coalesce_gap: int = 64 * 1024
+    #: A gap is fetched with its neighbours only while the bytes a request
+    #: discards stay at most this fraction of the bytes it reads for the
+    #: load; so a load fetches at most ``1 + coalesce_ratio`` times what it
+    #: asks for (plus checksum-block edges), however small the items. Loading
+    #: the weights of a model+Adam checkpoint then skips the moments between
+    #: them, while the ~1.5 KiB of torch.save framing between items that are
+    #: all wanted is read through: thousands of small items need few requests.
+    coalesce_ratio: float = 0.125
     #: Largest checksum block (bytes of an item per CRC32C). Each item gets
     #: blocks of about 1/256 of its size, a power of two between 4 KiB and
     #: this cap: a verified ranged read is widened to whole blocks, so small
@@ -71,6 +80,10 @@ class TransferConfig:
         _require(self.multipart_threshold >= 1, f"multipart_threshold must be >= 1, got {self.multipart_threshold}")
         _require(self.read_chunk_size >= 4096, f"read_chunk_size must be >= 4096, got {self.read_chunk_size}")
         _require(self.coalesce_gap >= 0, f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
+        _require(
+            isinstance(self.coalesce_ratio, (int, float)) and 0 <= self.coalesce_ratio <= 16,
+            f"coalesce_ratio must be a number in [0, 16], got {self.coalesce_ratio!r}",
+        )
         _require(
             self.checksum_block_size >= 4096,
             f"checksum_block_size must be >= 4096, got {self.checksum_block_size}",

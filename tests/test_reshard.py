@@ -6,10 +6,13 @@ dtype casts and CUDA targets. Byte precision is checked with
 ``reader.stats.bytes_read`` against the bytes of the regions each rank's state
 dict asks for:
 
-* with checksum verification off, a dim-0 reshard reads *exactly* the needed
-  bytes (the reader turns each requested box into byte runs of the stored chunk);
+* with checksum verification and coalescing off (``coalesce_gap=0``), a dim-0
+  reshard reads *exactly* the needed bytes (the reader turns each requested
+  box into byte runs of the stored chunk);
 * with the defaults (verification on), reads widen to whole checksum blocks,
-  so each read item may add up to two partial blocks.
+  so each read item may add up to two partial blocks, and neighbouring items
+  share requests: the torch.save framing between them (< FRAMING_GAP bytes
+  each) and gaps up to ``coalesce_ratio`` of the bytes read are fetched too.
 """
 
 from __future__ import annotations
@@ -22,10 +25,17 @@ import pytest
 import torch
 
 from dcp_cloud import TransferConfig
+from dcp_cloud.dcp.readplan import FRAMING_GAP
 from dcp_cloud.testing.multirank import run_ranks
 
 MiB = 1024 * 1024
 BLOCK = TransferConfig().checksum_block_size  # checkpoints here are saved with the defaults
+RATIO = TransferConfig().coalesce_ratio
+
+
+def _coalesced_bound(segment_bytes: int, pieces: int) -> float:
+    """Most bytes a default load may fetch for ``segment_bytes`` of segments from ``pieces`` saved chunks."""
+    return segment_bytes * (1 + RATIO) + FRAMING_GAP * pieces
 
 # name -> (shape, dim it is sharded on) of the checkpoints saved in this module
 TWO_RANK = {"a": ((4096, 512), 0), "b": ((1000, 300), 0), "c": ((100_003,), 0)}
@@ -91,7 +101,10 @@ def _save_four(rank: int, world: int, uri: str) -> None:
 def _load_and_measure(
     rank: int, world: int, spec: dict[str, tuple[tuple[int, ...], int]], uri: str, verify: bool, with_step: bool
 ) -> dict[str, Any]:
-    """Load ``spec`` sharded as saved (same dims) on this mesh; return what was read and whether it is right."""
+    """Load ``spec`` sharded as saved (same dims) on this mesh; return what was read and whether it is right.
+
+    ``verify=False`` also turns coalescing off (``coalesce_gap=0``): the byte-exact mode.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     import dcp_cloud
@@ -100,7 +113,8 @@ def _load_and_measure(
     target = _dtensors(spec, mesh, zeros=True)
     if with_step:
         target["step"] = torch.tensor(0, dtype=torch.int64)
-    reader = dcp_cloud.S3Reader(uri, transfer=dcp_cloud.TransferConfig(verify_checksums=verify))
+    exact = {} if verify else {"coalesce_gap": 0}
+    reader = dcp_cloud.S3Reader(uri, transfer=dcp_cloud.TransferConfig(verify_checksums=verify, **exact))
     dcp_cloud.load(target, storage_reader=reader)
     want = _dtensors(spec, mesh, zeros=False)
     bad = [k for k in spec if not _bitwise_equal(target[k].to_local(), want[k].to_local())]
@@ -181,15 +195,16 @@ def test_two_to_eight_dim0_and_stock_fallback(checkpoints: dict[str, Any]) -> No
     exact, verified, stock = ([r[i] for r in per_rank] for i in range(3))
     for results in (exact, verified, stock):
         assert all(r["bad"] == [] for r in results), results
-    _report("2->8 dim-0, verify off", exact)
+    _report("2->8 dim-0, verify and coalescing off", exact)
     _report("2->8 dim-0, defaults", verified)
     _report("2->8 dim-0, stock-written (whole items)", stock)
     for r in exact:
         assert r["read"] == r["needed"], r  # byte-precise: not one byte more
     # defaults: reads widen to whole checksum blocks, at most two partial blocks per read item
-    # (a rank's rows overlap at most 2 saved chunks of each tensor)
+    # (a rank's rows overlap at most 2 saved chunks of each tensor), and coalesce
+    pieces = 2 * len(TWO_RANK)
     for r in verified:
-        assert r["needed"] <= r["read"] <= r["needed"] + 2 * BLOCK * 2 * len(TWO_RANK)
+        assert r["needed"] <= r["read"] <= _coalesced_bound(r["needed"] + 2 * BLOCK * pieces, pieces)
     # stock-written items carry no raw offsets: each saved chunk a rank touches is read whole
     smallest_chunks = sum(torch.Size(shape).numel() * 4 // 2 - 4 for shape, _ in TWO_RANK.values())
     for r in stock:
@@ -211,15 +226,15 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
     exact0, verified0, exact1, verified1 = ([r[i] for r in per_rank] for i in range(4))
     for results in (exact0, verified0, exact1, verified1):
         assert all(r["bad"] == [] for r in results), results
-    _report("4->3 uneven dim-0, verify off", exact0)
+    _report("4->3 uneven dim-0, verify and coalescing off", exact0)
     _report("4->3 uneven dim-0, defaults", verified0)
-    r1 = _report("4->3 Shard(1), verify off", exact1)
+    r1 = _report("4->3 Shard(1), verify and coalescing off", exact1)
     _report("4->3 Shard(1), defaults", verified1)
     for r in exact0:
         assert r["read"] == r["needed"], r
     pieces = len(dim0) * 2  # a rank's rows overlap at most 2 saved chunks of each tensor
     for r in verified0:
-        assert r["needed"] <= r["read"] <= r["needed"] + 2 * BLOCK * pieces
+        assert r["needed"] <= r["read"] <= _coalesced_bound(r["needed"] + 2 * BLOCK * pieces, pieces)
     # Shard(1): each row of a saved chunk holds a run; runs closer than coalesce_gap are fetched
     # together, so a rank reads at most the saved chunks its columns overlap -- correct, not precise
     d1_bytes = 512 * 2048 * 4
@@ -232,14 +247,24 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
 def test_four_to_one_and_single_tensor(checkpoints: dict[str, Any], in_process_env: None) -> None:
     import dcp_cloud
 
-    # a 1-process load (no group) of the whole 4-rank checkpoint: every byte once
+    # a 1-process load (no group) of the whole 4-rank checkpoint: one request per object
+    # (each under read_chunk_size), reading only the framing between the items besides them
     target = _plain_targets(FOUR_RANK)
     reader = dcp_cloud.S3Reader(checkpoints["four"])
     dcp_cloud.load(target, storage_reader=reader)
     assert _check_plain(target, FOUR_RANK) == []
     needed = sum(t.nbytes for t in target.values())
-    print(f"4->1: read {reader.stats.bytes_read} / needed {needed}")
+    print(f"4->1: read {reader.stats.bytes_read} / needed {needed}, requests {reader.stats.requests}")
+    items = 4 * len(FOUR_RANK)
+    assert needed < reader.stats.bytes_read <= needed + FRAMING_GAP * items
+    assert reader.stats.requests["read"] == 4
+    # without coalescing: every byte once, one request per item
+    target = _plain_targets(FOUR_RANK)
+    reader = dcp_cloud.S3Reader(checkpoints["four"], transfer=dcp_cloud.TransferConfig(coalesce_gap=0))
+    dcp_cloud.load(target, storage_reader=reader)
+    assert _check_plain(target, FOUR_RANK) == []
     assert reader.stats.bytes_read == needed
+    assert reader.stats.requests["read"] == items
 
     # one tensor (one layer) out of the checkpoint: only its bytes
     one = {"layers.5.w": torch.zeros(256, 1024)}
@@ -280,8 +305,9 @@ def test_float32_checkpoint_into_bfloat16(checkpoints: dict[str, Any], in_proces
     for k, (shape, _) in spec.items():
         assert target[k].dtype == torch.bfloat16
         assert _bitwise_equal(target[k], _full(k, shape).to(torch.bfloat16)), k  # same rounding as Tensor.to
-    # the float32 bytes are what is fetched (the cast happens in memory)
-    assert reader.stats.bytes_read == sum(t.numel() * 4 for t in target.values())
+    # the float32 bytes are what is fetched (the cast happens in memory), with the framing between them
+    f32 = sum(t.numel() * 4 for t in target.values())
+    assert f32 <= reader.stats.bytes_read <= f32 + FRAMING_GAP * 4 * len(spec)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: loads into CUDA tensors go through a CPU buffer and one copy_")

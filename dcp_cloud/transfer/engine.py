@@ -135,6 +135,20 @@ class TransferEngine:
             futures.append(self.submit(self._read_piece, key, start + offset, piece, offset, check))
         return futures
 
+    def read_at(
+        self,
+        key: str,
+        start: int,
+        outs: Sequence[memoryview],
+        *,
+        check: Callable[[int, list[memoryview]], None] | None = None,
+    ) -> Future[None]:
+        """Scatter-read ``key`` from ``start`` into ``outs`` with exactly one request (the caller sized it).
+
+        ``check`` is called as for :meth:`read` (offset 0, all of ``outs``).
+        """
+        return self.submit(self._read_piece, key, start, list(outs), 0, check)
+
     def _read_piece(
         self,
         key: str,

@@ -1,0 +1,442 @@
+"""One ``read_data`` call: the reads of a load plan, coalesced across items, landing in the destinations.
+
+For every item with raw offsets (anything dcp_cloud wrote) the run computes
+the byte segments it needs (exact runs of the requested box, widened to
+whole checksum blocks when verifying), then packs the segments of each object
+into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.plan_requests`). A
+request's body is scattered straight into the destination tensors where the
+layout allows (CPU, contiguous, same dtype and shape); otherwise into a
+temporary from the byte budget that is copied over when the item is
+complete. Gaps between items (torch.save framing, items nobody asked for)
+land in one small discard buffer. Each request verifies the blocks of every
+item it holds, in the worker that read it; a mismatching block is read once
+more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names the item.
+
+Items written by stock torch (no raw offsets) and bytes items are read whole,
+one request each, as before.
+
+Memory: destinations are the caller's; temporaries, block-edge scratch and
+the discard buffer are leased from the engine's budget. When the budget is
+spent, the run first lands the oldest requests in flight (and, if none are,
+sends the request it is building), so a span of any size streams through
+bounded buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..config import TransferConfig
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, DcpCloudError
+from ..planner.layout import box_byte_run_array
+from ..transfer.engine import TransferEngine
+from ..transfer.stats import StatsRecorder
+from .checksum import bad_blocks, slice_pieces, verify_blocks
+from .layout import ItemExtras
+from .readplan import FRAMING_GAP, Request, Segment, plan_requests, plan_spans
+
+log = logging.getLogger("dcp_cloud")
+
+
+@dataclass
+class _Pending:
+    """Reads in flight, and what to do when they land."""
+
+    futures: list[Future[None]]
+    finish: Callable[[], None]
+    lease: int
+    what: str
+    keep: list[Any] = field(default_factory=list)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (any dtype)."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class _Item:
+    """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
+
+    __slots__ = (
+        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
+        "run_nbytes", "shape", "spans", "src", "starts", "target", "verify", "wanted", "what",
+    )  # fmt: skip
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: Shape of the requested box.
+    lengths: tuple[int, ...]
+    #: Start of each byte run of the box in the checked bytes (None: the whole chunk, one run).
+    src: npt.NDArray[np.int64] | None
+    run_nbytes: int
+    #: ``plan_spans`` segments, offsets into the checked bytes.
+    spans: list[tuple[int, int, int, int]]
+    #: Bytes of the box.
+    wanted: int
+    #: Object offset where the item's last segment ends.
+    end: int
+
+    def __init__(self, req: ReadItem, what: str, key: str, base: int, extras: ItemExtras, verify: bool) -> None:
+        self.req = req
+        self.what = what
+        self.key = key
+        #: Object offset of the item's raw tensor bytes (the checked region, and the block grid's origin).
+        self.base = base
+        self.extras = extras
+        self.verify = verify
+        self.target: torch.Tensor | None = None
+        self.dest: torch.Tensor | None = None
+        self.direct = False
+        self.fills: list[memoryview] = []
+        self.starts: list[int] = []
+        self.lease = 0
+
+    def views(self, start: int, end: int) -> list[memoryview]:
+        """The destination/scratch memory of object bytes ``[start, end)`` (inside one segment)."""
+        starts, fills = self.starts, self.fills
+        i = bisect.bisect_right(starts, start) - 1
+        out = []
+        pos = start
+        while pos < end:
+            s = starts[i]
+            view = fills[i]
+            hi = min(len(view), end - s)
+            out.append(view[pos - s : hi])
+            pos = s + hi
+            i += 1
+        return out
+
+
+class LoadRun:
+    """Reads of one load plan through one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        planner: LoadPlanner,
+        transfer: TransferConfig,
+        chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]],
+        recorder: StatsRecorder,
+        checkpoint_id: str,
+    ) -> None:
+        self.engine = engine
+        self.planner = planner
+        self.transfer = transfer
+        self.chunks = chunks
+        self.recorder = recorder
+        self.checkpoint_id = checkpoint_id
+        self.pending: deque[_Pending] = deque()
+        self._discard = memoryview(bytearray(0))
+        self._reserved = 0
+        self._max_gap = 0
+        self._planned: list[tuple[str, str, list[Request], list[_Item]]] = []
+        # The request being built: object bytes [_b_start, _b_end) of _b_key.
+        self._b_key = ""
+        self._b_url = ""
+        self._b_start = 0
+        self._b_end = 0
+        self._b_outs: list[memoryview] = []
+        self._b_checks: list[tuple[_Item, int, list[memoryview]]] = []
+        self._b_done: list[_Item] = []
+
+    # -- driving ----------------------------------------------------------
+    def drain(self) -> None:
+        """Land everything in flight, in order."""
+        while self.pending:
+            self.land(self.pending.popleft())
+
+    def abandon(self) -> None:
+        """After a failure: let reads in flight end before their buffers go."""
+        for job in self.pending:
+            for fut in job.futures:
+                fut.exception()
+
+    def land(self, job: _Pending) -> None:
+        try:
+            for fut in job.futures:
+                fut.result()
+            job.finish()
+        except DcpCloudError as exc:
+            if job.what in str(exc):
+                raise
+            raise type(exc)(f"{exc} (while reading {job.what})") from exc
+        finally:
+            self.engine.budget.release(job.lease)
+
+    def lease(self, nbytes: int) -> int:
+        """Take up to ``nbytes`` of the budget, landing (or sending) earlier reads while it is spent.
+
+        Returns the bytes leased: at most what the budget can ever hold
+        beside the discard buffer (one item larger than that is allowed, as
+        a single lease larger than the budget always was).
+        """
+        budget = self.engine.budget
+        while budget.used + nbytes > budget.capacity:
+            if self.pending:
+                self.land(self.pending.popleft())
+            elif self._b_outs:
+                self._send()
+            else:
+                break
+        grant = max(0, min(nbytes, budget.capacity - self._reserved))
+        budget.acquire(grant)
+        return grant
+
+    # -- whole items (stock-written tensors, bytes) ------------------------
+    def start_whole(self, req: ReadItem, key: str, info: Any, extras: ItemExtras | None, what: str) -> None:
+        """Read a whole stored item: bytes items, and tensors written by stock torch."""
+        lease = self.lease(info.length)
+        buf = bytearray(info.length)
+        if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
+            check = self._whole_checker(key, info.offset, extras, what)
+            futures = self.engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check)
+        else:
+            futures = self.engine.read(key, info.offset, [memoryview(buf)])
+        planner = self.planner
+
+        def finish() -> None:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(buf))
+                return
+            try:
+                saved = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+            except Exception as exc:  # any failure means unreadable bytes
+                raise CorruptCheckpointError(
+                    f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
+                ) from exc
+            target = planner.resolve_tensor(req).detach()
+            commit(planner, req, target, narrow_tensor_by_index(saved, req.storage_offsets, req.lengths), what)
+
+        self.pending.append(_Pending(futures, finish, lease, what))
+
+    def _whole_checker(
+        self, key: str, base: int, extras: ItemExtras, what: str
+    ) -> Callable[[int, list[memoryview]], None]:
+        def check(offset: int, outs: list[memoryview]) -> None:
+            pieces = []
+            pos = offset
+            for view in outs:
+                pieces.append((pos, view))
+                pos += len(view)
+            self._verify(key, base, extras, what, pieces)
+
+        return check
+
+    # -- coalesced items --------------------------------------------------
+    def plan_item(self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str) -> _Item:
+        """The segments an item needs (no destination yet)."""
+        fqn = req.storage_index.fqn
+        try:
+            shape, dtype = self.chunks[(fqn, tuple(req.storage_index.offset or ()))]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.checkpoint_id}: no chunk of {fqn!r} at {req.storage_index.offset}"
+            ) from None
+        assert extras.raw_offset is not None
+        verify = self.transfer.verify_checksums and extras.block_size > 0
+        item = _Item(req, what, key, info.offset + extras.raw_offset, extras, verify)
+        item.shape, item.dtype = shape, dtype
+        item.lengths = tuple(req.lengths)
+        elem = torch._utils._element_size(dtype)
+        if item.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
+            nbytes = elem
+            for n in shape:
+                nbytes *= n
+            if verify and nbytes > extras.checked_length:
+                raise CorruptCheckpointError(
+                    f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
+                    "the checkpoint's metadata is corrupted"
+                )
+            item.src, item.run_nbytes = None, nbytes
+            item.spans = [(0, nbytes, 0, 1)] if nbytes else []
+            item.wanted = nbytes
+        else:
+            src, run_nbytes = box_byte_run_array(shape, elem, req.storage_offsets, req.lengths)
+            block = extras.block_size if verify else 0
+            item.src, item.run_nbytes = src, run_nbytes
+            item.spans = plan_spans(src, run_nbytes, extras.checked_length, block, self.transfer.coalesce_gap)
+            item.wanted = len(src) * run_nbytes
+        item.end = item.base + item.spans[-1][1] if item.spans else item.base
+        return item
+
+    def _prepare(self, item: _Item) -> None:
+        """Resolve the destination and lay out where every segment byte goes."""
+        target = self.planner.resolve_tensor(item.req).detach()
+        direct = (
+            target.device.type == "cpu"
+            and target.dtype == item.dtype
+            and target.is_contiguous()
+            and tuple(target.shape) == item.lengths
+        )
+        spans = item.spans
+        scratch_bytes = sum(end - start for start, end, _, _ in spans) - item.wanted
+        item.lease = self.lease(scratch_bytes + (0 if direct else item.wanted))
+        dest = target if direct else torch.empty(item.lengths, dtype=item.dtype)
+        item.target, item.dest, item.direct = target, dest, direct
+        dest_bytes = byte_view(dest)
+        base = item.base
+        if item.src is None:
+            item.fills, item.starts = [dest_bytes], [base]
+            return
+        scratch = memoryview(bytearray(scratch_bytes))
+        used = 0
+        run = item.run_nbytes
+        starts = item.src.tolist()
+        fills: list[memoryview] = []
+        fill_starts: list[int] = []
+        for span_start, span_end, first, end in spans:
+            cursor = span_start
+            for i in range(first, end):
+                run_start = starts[i]
+                if run_start > cursor:
+                    fill_starts.append(base + cursor)
+                    fills.append(scratch[used : used + run_start - cursor])
+                    used += run_start - cursor
+                fill_starts.append(base + run_start)
+                fills.append(dest_bytes[i * run : (i + 1) * run])
+                cursor = run_start + run
+            if cursor < span_end:
+                fill_starts.append(base + cursor)
+                fills.append(scratch[used : used + span_end - cursor])
+                used += span_end - cursor
+        item.fills, item.starts = fills, fill_starts
+
+    def _finish_item(self, item: _Item) -> None:
+        assert item.target is not None
+        commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
+        self.engine.budget.release(item.lease)
+        item.target = item.dest = None
+        item.fills = []
+
+    def plan_object(self, key: str, url: str, items: Sequence[_Item]) -> None:
+        """Plan the requests for ``items`` (all of object ``key``, sorted by offset); :meth:`read_planned` sends them."""
+        segments: list[Segment] = []
+        owners: list[_Item] = []
+        for item in items:
+            if not item.spans:  # nothing to read (an empty box)
+                self._prepare(item)
+                self._finish_item(item)
+                continue
+            block = item.extras.block_size if item.verify else 0
+            for start, end, _, _ in item.spans:
+                segments.append(Segment(item.base + start, item.base + end, block, item.base))
+                owners.append(item)
+        t = self.transfer
+        requests = plan_requests(
+            segments, max_gap=t.coalesce_gap, ratio=t.coalesce_ratio, chunk=t.read_chunk_size, free_gap=FRAMING_GAP
+        )
+        for r in requests:
+            if r.end - r.start > r.wanted:
+                self._max_gap = max(self._max_gap, min(t.coalesce_gap, r.end - r.start - r.wanted))
+        self._planned.append((key, url, requests, owners))
+
+    def read_planned(self) -> None:
+        """Send every planned request, in order, landing earlier ones as the budget requires."""
+        if self._max_gap:
+            # One buffer that every gap of every request is read into (and nobody reads).
+            size = max(1, min(self._max_gap, self.engine.budget.capacity // 8))
+            self._reserved = self.lease(size)
+            self._discard = memoryview(bytearray(size))
+        planned, self._planned = self._planned, []
+        for key, url, requests, owners in planned:
+            self._b_key, self._b_url = key, url
+            for request in requests:
+                for index, start, end in request.parts:
+                    item = owners[index]
+                    if item.target is None:
+                        self._prepare(item)
+                    self._add(item, start, end)
+                self._send()
+
+    def close(self) -> None:
+        """Return the discard buffer's lease (after :meth:`drain`)."""
+        self.engine.budget.release(self._reserved)
+        self._reserved = 0
+
+    def _add(self, item: _Item, start: int, end: int) -> None:
+        outs = self._b_outs
+        if not outs:
+            self._b_start = start
+        elif start > self._b_end:
+            gap, discard = start - self._b_end, self._discard
+            while gap:
+                n = min(gap, len(discard))
+                outs.append(discard[:n])
+                gap -= n
+        views = item.views(start, end)
+        outs.extend(views)
+        if item.verify:
+            self._b_checks.append((item, start, views))
+        self._b_end = end
+        if end == item.end:
+            self._b_done.append(item)
+
+    def _send(self) -> None:
+        """Send the request being built."""
+        if not self._b_outs:
+            return
+        outs, checks, done = self._b_outs, self._b_checks, self._b_done
+        self._b_outs, self._b_checks, self._b_done = [], [], []
+        key, start, end = self._b_key, self._b_start, self._b_end
+        what = f"bytes {start}..{end} of {self._b_url}"
+
+        def check(offset: int, views: list[memoryview]) -> None:
+            for item, item_start, item_views in checks:
+                pieces = []
+                pos = item_start - item.base
+                for view in item_views:
+                    pieces.append((pos, view))
+                    pos += len(view)
+                self._verify(key, item.base, item.extras, item.what, pieces)
+
+        def finish() -> None:
+            for item in done:
+                self._finish_item(item)
+
+        future = self.engine.read_at(key, start, outs, check=check if checks else None)
+        self.pending.append(_Pending([future], finish, 0, what))
+
+    # -- verification -----------------------------------------------------
+    def _verify(self, key: str, base: int, extras: ItemExtras, what: str, pieces: list[tuple[int, memoryview]]) -> None:
+        """Check the blocks of one item in ``pieces`` (offsets from ``base``); runs in the worker that read them.
+
+        A mismatch can come from bytes damaged on the way (a faulty NIC, proxy
+        or driver) rather than at rest, so the mismatching blocks are read once
+        more, in place, before anything is raised; a second mismatch means the
+        stored bytes are damaged.
+        """
+        args = (extras.block_size, extras.checked_length, extras.crcs)
+        bad = bad_blocks(pieces, *args)
+        if not bad:
+            return
+        log.warning("checksum mismatch in %d block(s) of %s; reading them once more", len(bad), what)
+        for start, end in bad:
+            self.recorder.on_retry("read", ChecksumMismatchError(what))
+            self.engine.store.read_into(key, base + start, slice_pieces(pieces, start, end))
+        verify_blocks(pieces, *args, describe=what, base_offset=base)
+
+
+def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
+    """Copy ``value`` into ``target`` (unless it was read in place) and hand it to the planner."""
+    if value is not None:
+        if tuple(target.shape) != tuple(value.shape):
+            raise CorruptCheckpointError(
+                f"{what}: stored region has shape {tuple(value.shape)} but the state dict expects {tuple(target.shape)}"
+            )
+        target.copy_(value)
+    planner.commit_tensor(req, target)

@@ -1,0 +1,180 @@
+"""Which bytes each ranged GET of a load fetches: pure planning, no I/O, no threads.
+
+A load wants, from each stored object, a set of *segments*: byte ranges of
+stored items (widened to whole checksum blocks when verifying). Issuing one
+request per segment costs one round trip and one pass through the SDK per
+item, which dominates when a rank holds thousands of small items. So
+segments are packed into few requests:
+
+* :func:`plan_spans` -- inside one item, group the byte runs of a requested
+  box into segments (runs closer than ``gap`` share one);
+* :func:`plan_requests` -- across the segments of one object, merge
+  neighbours into requests of at most ``chunk`` bytes, reading the gap
+  between them (torch.save framing, or items nobody asked for) and
+  discarding it, as long as every gap is at most ``max_gap`` bytes and the
+  discarded bytes of a request stay at most ``ratio`` times the segment
+  bytes it serves. That bound is what keeps partial loads exact: loading
+  the weights of a model+Adam checkpoint fetches at most ``1 + ratio`` times
+  the bytes of the weights, however small the items.
+
+A segment longer than ``chunk`` is cut into several requests (read in
+parallel), at multiples of its checksum block, so that every request holds
+whole blocks of every item it touches and can be verified on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FRAMING_GAP", "Request", "Segment", "plan_requests", "plan_spans"]
+
+#: The longest gap always read through: torch.save puts ~1.5 KiB of zip framing
+#: (trailer of one item, header of the next) between the raw bytes of two
+#: neighbouring items; a gap holding a whole unwanted item holds two such
+#: framings (> 3 KiB) besides the item's bytes. So gaps this short are pure
+#: framing, and reading them costs far less than another request.
+FRAMING_GAP = 2048
+
+
+def plan_spans(
+    src: npt.NDArray[np.int64], run_nbytes: int, limit: int, block: int, gap: int
+) -> list[tuple[int, int, int, int]]:
+    """Group the runs of one item into segments: ``(start, end, first_run, end_run)``.
+
+    Runs start at ``src`` (strictly increasing, offsets into the item's
+    checked bytes) and have ``run_nbytes`` bytes. With ``block`` > 0 every
+    segment is widened to whole blocks (clipped at ``limit``) so it can be
+    verified; segments closer than ``gap`` merge.
+    """
+    if len(src) == 0:
+        return []
+    starts = src.copy()
+    ends = src + run_nbytes
+    if block:
+        starts = (starts // block) * block
+        ends = np.minimum(-(-ends // block) * block, limit)
+    breaks = np.nonzero(starts[1:] > ends[:-1] + gap)[0] + 1
+    firsts = np.concatenate(([0], breaks))
+    lasts = np.concatenate((breaks, [len(src)]))
+    return [(int(starts[f]), int(ends[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts)]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Object bytes ``[start, end)`` that one load needs, all of one item.
+
+    ``block`` is the item's checksum block size (0 or 1: no verification, cut
+    anywhere) and ``origin`` the object offset its blocks are counted from;
+    ``start`` lies on that grid, ``end`` on it or at the end of the item.
+    """
+
+    start: int
+    end: int
+    block: int = 0
+    origin: int = 0
+
+
+@dataclass
+class Request:
+    """One ranged GET: object bytes ``[start, end)``.
+
+    ``parts`` are ``(segment_index, part_start, part_end)`` in object order;
+    bytes of the request outside every part are gaps, read and discarded.
+    """
+
+    start: int
+    end: int
+    parts: list[tuple[int, int, int]] = field(default_factory=list)
+    #: Bytes of the parts (``end - start - wanted`` are discarded).
+    wanted: int = 0
+    #: Discarded bytes of gaps no longer than ``free_gap`` (not held to the ratio).
+    free: int = 0
+
+
+def _cut(seg: Segment, pos: int, room: int) -> int:
+    """The furthest end ``<= pos + room`` a part of ``seg`` starting at ``pos`` may have (may be ``<= pos``)."""
+    if seg.end - pos <= room:
+        return seg.end
+    limit = pos + room
+    if seg.block <= 1:
+        return limit
+    return seg.origin + (limit - seg.origin) // seg.block * seg.block
+
+
+def plan_requests(
+    segments: Sequence[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+) -> list[Request]:
+    """Pack the segments of one object (sorted by ``start``, disjoint) into requests.
+
+    Contract, for ``max_gap >= 0``, ``ratio >= 0``, ``chunk >= 1`` and ``free_gap >= 0``:
+
+    * every byte of every segment is in exactly one part of one request, and
+      parts are ordered: requests are sorted and disjoint, and inside a
+      request parts follow each other with gaps of at most ``max_gap``;
+    * a part ends at its segment's end or on its segment's block grid, and
+      starts at its segment's start or where the previous part of the same
+      segment ended (so on the grid too);
+    * a request has at most ``chunk`` bytes, unless it is one part of at most
+      one block (a block larger than ``chunk``);
+    * the discarded bytes of a request (its gaps) are at most ``ratio``
+      times its wanted bytes, not counting gaps of at most
+      ``min(free_gap, max_gap)`` bytes, which are always read through. So a
+      plan fetches at most ``1 + ratio`` times the segment bytes, plus those
+      short gaps. (The reader passes :data:`FRAMING_GAP`: a gap that short
+      holds only the torch.save framing between two wanted items, never an
+      item nobody asked for.)
+
+    Merging is greedy from the lowest offset: a segment joins the open
+    request when the gap, the size and the ratio rules allow. ``O(n + r)``
+    for ``n`` segments and ``r`` requests.
+
+    >>> [(r.start, r.end, r.parts) for r in plan_requests(
+    ...     [Segment(0, 100), Segment(104, 200), Segment(900, 1000)], max_gap=64, ratio=0.1, chunk=1 << 20)]
+    [(0, 200, [(0, 0, 100), (1, 104, 200)]), (900, 1000, [(2, 900, 1000)])]
+    """
+    if max_gap < 0 or ratio < 0 or chunk < 1:
+        raise ValueError(f"plan_requests needs max_gap >= 0, ratio >= 0, chunk >= 1; got {max_gap}, {ratio}, {chunk}")
+    requests: list[Request] = []
+    cur: Request | None = None
+    prev_end = -1
+    for index, seg in enumerate(segments):
+        if seg.start < prev_end or seg.end < seg.start:
+            raise ValueError(f"segments must be sorted, disjoint and well-formed; segment {index} is {seg}")
+        prev_end = seg.end
+        pos = seg.start
+        while pos < seg.end:
+            if cur is not None:
+                gap = pos - cur.end
+                take = _cut(seg, pos, chunk - (pos - cur.start))
+                free = gap <= free_gap
+                joins = take > pos and (
+                    gap == 0
+                    or (
+                        gap <= max_gap
+                        and (
+                            free
+                            or (cur.end - cur.start - cur.wanted - cur.free) + gap <= ratio * (cur.wanted + take - pos)
+                        )
+                    )
+                )
+                if not joins:
+                    cur = None
+                elif free:
+                    cur.free += gap
+            if cur is None:
+                cur = Request(pos, pos)
+                requests.append(cur)
+                take = _cut(seg, pos, chunk)
+                if take <= pos:  # a block larger than chunk: one block alone
+                    take = min(seg.end, pos + seg.block)
+            cur.parts.append((index, pos, take))
+            cur.wanted += take - pos
+            cur.end = take
+            pos = take
+            if pos < seg.end:  # the request is full
+                cur = None
+    return requests

@@ -1,0 +1,123 @@
+"""Learned torch.save framing: items written from it are byte-identical to torch.save's, and stock torch reads them."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_cloud
+from dcp_cloud import CloudWriter
+from dcp_cloud.dcp import framing, serialize
+from dcp_cloud.dcp.layout import load_metadata
+from dcp_cloud.store.memory import MemoryStore
+from dcp_cloud.testing.backends import StoreBackend
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "f32": torch.randn(33, 7, generator=g),
+        "bf16": torch.randn(5, 40, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(17000, generator=g).to(torch.float16),  # > 32 KiB: raw bytes sent in place
+        "i64": torch.randint(-(2**50), 2**50, (9, 2, 3), generator=g),
+        "u8": torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g),
+        "bool": torch.rand(4, 4, generator=g) > 0.5,
+        "c64": torch.randn(6, dtype=torch.complex64, generator=g),
+        "conj": torch.randn(6, dtype=torch.complex64, generator=g).conj(),  # conj bit: always serialized for real
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "big": torch.randn(100_000, generator=g),  # raw bytes sent in place
+    }
+
+
+def _state(copies: int) -> dict[str, torch.Tensor]:
+    """``copies`` tensors of every layout, each with different values."""
+    out = {}
+    for k, t in _layouts().items():
+        for i in range(copies):
+            v = t.resolve_conj() * (i + 1) if t.is_complex() else (t.to(torch.float64) + i).to(t.dtype)
+            out[f"{k}.{i}"] = v.conj() if t.is_conj() else v
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_framing() -> None:
+    framing.forget()
+    yield
+    framing.forget()
+
+
+def test_items_written_from_learned_framing_are_what_torch_save_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_cloud.dcp import writer
+
+    assert serialize.usable()
+    framed = []
+    real = writer._write_framed
+    monkeypatch.setattr(writer, "_write_framed", lambda sink, t, *a: framed.append(t.shape) or real(sink, t, *a))
+    state = _state(5)
+    mem = MemoryStore()
+    dcp_cloud.save(state, storage_writer=CloudWriter("memory://bkt/f", StoreBackend(mem)))
+    assert len(framed) == 3 * (len(_layouts()) - 1)  # all but the first two of each layout (conj: none)
+    metadata = load_metadata(mem.get("f/.metadata"), "x")
+    learned = 0
+    for idx, info in metadata.storage_data.items():
+        stored = mem.get(f"f/{info.relative_path}")[info.offset : info.offset + info.length]
+        t = state[idx.fqn]
+        expected = io.BytesIO()
+        serialize.save_tensor(t, expected)
+        assert stored == expected.getvalue(), idx.fqn
+        back = torch.load(io.BytesIO(stored), weights_only=True)
+        assert back.dtype == t.dtype and back.is_conj() == t.is_conj() and torch.equal(back, t), idx.fqn
+        layout = framing.layout_of(t, framing.storage_alignment())
+        learned += layout is not None and framing.known(layout) is not None
+    # every layout but the conj one was confirmed by its first two items, and the rest written from it
+    assert learned == len(state) - 5
+
+
+def test_stock_reader_loads_a_checkpoint_written_mostly_from_learned_framing(tmp_path: Path) -> None:
+    state = _state(4)
+    dcp_cloud.save(state, storage_writer=dcp_cloud.LocalWriter(f"file://{tmp_path}/ckpt"))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt")))
+    for k, v in state.items():
+        assert torch.equal(target[k].resolve_conj(), v.resolve_conj()), k
+
+
+def test_framing_is_confirmed_only_by_two_saves_of_different_values() -> None:
+    t = torch.ones(8)
+    layout = framing.layout_of(t, 64)
+    assert layout is not None
+    framing.learn(layout, b"head", b"tail", b"v1")
+    framing.learn(layout, b"head", b"tail", b"v1")  # the same values again
+    assert framing.known(layout) is None
+    framing.learn(layout, b"head", b"tail", b"v2")
+    assert framing.known(layout) == (b"head", b"tail")
+
+
+def test_framing_that_differs_between_saves_is_never_reused() -> None:
+    layout = framing.layout_of(torch.ones(8), 64)
+    framing.learn(layout, b"head", b"tail", b"v1")
+    framing.learn(layout, b"head", b"TAIL", b"v2")
+    framing.learn(layout, b"head", b"TAIL", b"v3")
+    framing.learn(layout, b"head", b"TAIL", b"v4")
+    assert framing.known(layout) is None
+
+
+def test_only_plain_tensors_that_own_their_storage_have_a_layout() -> None:
+    base = torch.arange(10.0)
+    assert framing.layout_of(base, 64) is not None
+    assert framing.layout_of(base[2:], 64) is None  # storage offset
+    assert framing.layout_of(base[:5], 64) is None  # storage larger than the tensor
+    assert framing.layout_of(torch.nn.Parameter(base), 64) is None  # a subclass
+    tagged = base.clone()
+    tagged.note = "x"
+    assert framing.layout_of(tagged, 64) is None  # Python state
+    assert framing.layout_of(torch.empty(0), 64) is None
+    assert framing.layout_of(torch.randn(3, dtype=torch.complex64).conj(), 64) is None
+    a, b = framing.layout_of(base, 64), framing.layout_of(base, 4096)
+    assert a != b  # the storage alignment is part of the layout

@@ -1,0 +1,141 @@
+"""Properties of the load planner's request packing (dcp_cloud.dcp.readplan.plan_requests)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_cloud.dcp.readplan import FRAMING_GAP, Request, Segment, plan_requests
+
+
+@st.composite
+def segment_lists(draw: st.DrawFn) -> list[Segment]:
+    """Sorted, disjoint segments; each on its own block grid (block 0 = no grid), ends on it or at an item end."""
+    segments = []
+    pos = draw(st.integers(0, 50))
+    for _ in range(draw(st.integers(0, 30))):
+        pos += draw(st.integers(0, 300))  # gap before the item (0: touching)
+        block = draw(st.sampled_from([0, 1, 8, 16, 64]))
+        origin = pos - block * draw(st.integers(0, 3)) if block else pos
+        origin = max(origin, 0)
+        if block:
+            pos = origin + -(-(pos - origin) // block) * block
+        length = draw(st.integers(1, 400))
+        end = pos + length  # an item's last block may be short: any end is allowed
+        segments.append(Segment(pos, end, block, origin))
+        pos = end
+    return segments
+
+
+def _check(
+    segments: list[Segment], requests: list[Request], max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+) -> None:
+    covered: dict[int, list[tuple[int, int]]] = {}
+    last_end = -1
+    for req in requests:
+        assert req.parts, req
+        assert req.start >= last_end, "requests sorted and disjoint"
+        last_end = req.end
+        assert req.start == req.parts[0][1] and req.end == req.parts[-1][2]
+        cursor = req.start
+        wanted = 0
+        free = 0
+        for i, a, b in req.parts:
+            seg = segments[i]
+            assert seg.start <= a < b <= seg.end
+            assert a - cursor <= max_gap or a == cursor
+            assert a >= cursor
+            if a - cursor <= free_gap:
+                free += a - cursor
+            cursor = b
+            wanted += b - a
+            if seg.block > 1:
+                assert b == seg.end or (b - seg.origin) % seg.block == 0, "cut off the block grid"
+                assert a == seg.start or (a - seg.origin) % seg.block == 0
+            covered.setdefault(i, []).append((a, b))
+        assert wanted == req.wanted
+        length = req.end - req.start
+        one_block = len(req.parts) == 1 and length <= max(segments[req.parts[0][0]].block, 1)
+        assert length <= chunk or one_block, (req, chunk)
+        assert length - wanted - free <= ratio * wanted + 1e-9, "discarded bytes above the ratio"
+    for i, seg in enumerate(segments):
+        pieces = covered.get(i, [])
+        assert pieces and pieces[0][0] == seg.start and pieces[-1][1] == seg.end
+        for (_, b), (a, _) in itertools.pairwise(pieces):
+            assert a == b, "every byte of a segment in exactly one part"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    segment_lists(),
+    st.integers(0, 200),
+    st.sampled_from([0.0, 0.05, 0.125, 0.5, 2.0]),
+    st.integers(1, 1500),
+    st.sampled_from([0, 0, 10, 100]),
+)
+def test_plan_covers_every_segment_within_the_rules(
+    segments: list[Segment], max_gap: int, ratio: float, chunk: int, free_gap: int
+) -> None:
+    requests = plan_requests(segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap)
+    _check(segments, requests, max_gap, ratio, chunk, free_gap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 2000), st.integers(64, 4096), st.integers(0, 64))
+def test_many_small_items_share_few_requests(n: int, item: int, framing: int) -> None:
+    """Items with framing gaps well under the ratio pack into ceil(total / chunk)-ish requests."""
+    segments = [Segment(i * (item + framing), i * (item + framing) + item) for i in range(n)]
+    chunk = 1 << 20
+    ratio = 0.125
+    requests = plan_requests(segments, max_gap=64 * 1024, ratio=ratio, chunk=chunk)
+    _check(segments, requests, 64 * 1024, ratio, chunk)
+    if framing <= ratio * item:
+        total = segments[-1].end
+        assert len(requests) <= total // (chunk - item - framing) + 1
+
+
+@pytest.mark.parametrize("item", [16, 4096, 16 * 1024, 60 * 1024])
+def test_weights_between_moments_are_not_merged_past_the_ratio(item: int) -> None:
+    # weight, exp_avg, exp_avg_sq of equal size, each behind ~1.5 KiB of framing; only weights wanted
+    framing = 1577
+    stride = item + framing
+    weights = [Segment(3 * k * stride, 3 * k * stride + item) for k in range(100)]
+    requests = plan_requests(weights, max_gap=64 * 1024, ratio=0.125, chunk=16 << 20, free_gap=FRAMING_GAP)
+    fetched = sum(r.end - r.start for r in requests)
+    assert fetched == 100 * item  # a gap of two moments (and 3 framings) is never worth it
+    assert len(requests) == 100
+
+
+def test_only_framing_separates_tiny_wanted_items() -> None:
+    segments = [Segment(k * (4 + 1577), k * (4 + 1577) + 4) for k in range(1000)]
+    requests = plan_requests(segments, max_gap=64 * 1024, ratio=0.125, chunk=16 << 20, free_gap=FRAMING_GAP)
+    assert len(requests) == 1
+    assert plan_requests(segments, max_gap=64 * 1024, ratio=0.125, chunk=16 << 20) == [
+        Request(s.start, s.end, [(k, s.start, s.end)], 4) for k, s in enumerate(segments)
+    ]
+
+
+def test_tiny_items_ride_on_a_large_request() -> None:
+    big = Segment(0, 1 << 20)
+    tiny = [Segment((1 << 20) + 1577 * (k + 1) + 4 * k, (1 << 20) + 1577 * (k + 1) + 4 * (k + 1)) for k in range(50)]
+    requests = plan_requests([big, *tiny], max_gap=64 * 1024, ratio=0.125, chunk=16 << 20)
+    assert len(requests) == 1
+
+
+def test_a_long_segment_is_cut_on_its_block_grid() -> None:
+    seg = Segment(100, 100 + 10_000, block=4096, origin=100)
+    requests = plan_requests([seg], max_gap=0, ratio=0.0, chunk=5000)
+    assert [(r.start, r.end) for r in requests] == [(100, 4196), (4196, 8292), (8292, 10100)]
+    # a block larger than chunk: one block per request
+    requests = plan_requests([seg], max_gap=0, ratio=0.0, chunk=1000)
+    assert [(r.start, r.end) for r in requests] == [(100, 4196), (4196, 8292), (8292, 10100)]
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError):
+        plan_requests([Segment(10, 20), Segment(15, 30)], max_gap=0, ratio=0, chunk=10)
+    with pytest.raises(ValueError):
+        plan_requests([], max_gap=-1, ratio=0, chunk=10)
