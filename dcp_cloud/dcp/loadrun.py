@@ -3,7 +3,7 @@
 For every item with raw offsets (anything dcp_cloud wrote) the run computes
 the byte segments it needs (exact runs of the requested box, widened to
 whole checksum blocks when verifying), then packs the segments of each object
-into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.plan_requests`). A
+into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.iter_requests`). A
 request's body is scattered straight into the destination tensors where the
 layout allows (CPU, contiguous, same dtype and shape); otherwise into a
 temporary from the byte budget that is copied over when the item is
@@ -30,7 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,6 @@ class _Pending:
     finish: Callable[[], None]
     lease: int
     what: str
-    keep: list[Any] = field(default_factory=list)
 
 
 class _Item:
