@@ -108,16 +108,40 @@ def test_framing_that_differs_between_saves_is_never_reused() -> None:
     assert framing.known(layout) is None
 
 
-def test_only_plain_tensors_that_own_their_storage_have_a_layout() -> None:
+def test_which_tensors_have_a_layout() -> None:
     base = torch.arange(10.0)
-    assert framing.layout_of(base, 64) is not None
-    assert framing.layout_of(base[2:], 64) is None  # storage offset
-    assert framing.layout_of(base[:5], 64) is None  # storage larger than the tensor
-    assert framing.layout_of(torch.nn.Parameter(base), 64) is None  # a subclass
+    plain = framing.layout_of(base, 64)
+    assert plain is not None
+    # what is saved is the host copy: views, parameters and Python state do not change it
+    assert framing.layout_of(base[2:], 64) is not None
+    assert framing.layout_of(base[:5], 64) == framing.layout_of(torch.zeros(5), 64)
+    assert framing.layout_of(torch.nn.Parameter(base), 64) == plain
     tagged = base.clone()
     tagged.note = "x"
-    assert framing.layout_of(tagged, 64) is None  # Python state
+    assert framing.layout_of(tagged, 64) == plain
+    assert framing.layout_of(base[::2], 64) is None  # not contiguous: saved through a copy, for real
     assert framing.layout_of(torch.empty(0), 64) is None
     assert framing.layout_of(torch.randn(3, dtype=torch.complex64).conj(), 64) is None
-    a, b = framing.layout_of(base, 64), framing.layout_of(base, 4096)
-    assert a != b  # the storage alignment is part of the layout
+    assert framing.layout_of(base, 64) != framing.layout_of(base, 4096)  # the storage alignment counts
+
+
+def test_views_parameters_and_tagged_tensors_are_written_as_torch_save_writes_their_copies() -> None:
+    """FSDP2-like: contiguous views into one flat buffer, parameters, tensors with attributes."""
+    flat = torch.randn(40_000, generator=torch.Generator().manual_seed(5))
+    state: dict[str, torch.Tensor] = {}
+    for i in range(6):
+        state[f"view.{i}"] = flat[i * 6000 : (i + 1) * 6000].view(60, 100)
+        state[f"param.{i}"] = torch.nn.Parameter(torch.randn(30, 7) + i)
+        tagged = torch.randn(12) + i
+        tagged.note = i
+        state[f"tagged.{i}"] = tagged
+    mem = MemoryStore()
+    dcp_cloud.save(state, storage_writer=CloudWriter("memory://bkt/v", StoreBackend(mem)))
+    metadata = load_metadata(mem.get("v/.metadata"), "x")
+    for idx, info in metadata.storage_data.items():
+        stored = mem.get(f"v/{info.relative_path}")[info.offset : info.offset + info.length]
+        expected = io.BytesIO()
+        serialize.save_tensor(state[idx.fqn].detach().clone(), expected)
+        assert stored == expected.getvalue(), idx.fqn
+        assert torch.equal(torch.load(io.BytesIO(stored), weights_only=True), state[idx.fqn].detach()), idx.fqn
+    assert all(framing.known(framing.layout_of(t, framing.storage_alignment())) for t in state.values())

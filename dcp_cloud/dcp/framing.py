@@ -5,8 +5,7 @@ Each stored tensor is what ``torch.save`` writes for it: a zip archive of
 record headers, the central directory) around the raw bytes. For a plain
 CPU tensor whose storage is exactly its bytes, and with the zip CRC32 off
 (:mod:`dcp_cloud.dcp.serialize`), the framing depends only on the layout --
-dtype, shape, strides, storage size, ``requires_grad`` and the storage
-alignment -- not on the values. Running torch's Python
+dtype, shape, strides, size and the storage alignment -- not on the values. Running torch's Python
 pickler and zip writer for each of thousands of small tensors costs ~0.2 ms
 apiece, more than everything else the writer does for them.
 
@@ -48,28 +47,30 @@ def storage_alignment() -> int:
 
 
 def layout_of(tensor: torch.Tensor, alignment: int) -> Layout | None:
-    """The layout of ``tensor`` if its framing can be learned and reused, else None.
+    """The layout of what the writer saves for ``tensor``, if its framing can be learned and reused.
 
-    Only plain CPU tensors (exactly ``torch.Tensor``, strided, no Python
-    state, not quantized or nested, no conj/neg bit: torch.save pickles
-    those bits) whose storage starts at them and holds exactly their bytes,
-    and only while torch.save can be run without the zip CRC32.
+    The writer saves the host copy of a tensor: detached (no autograd, no
+    Python state), and a contiguous CPU view of a larger buffer (FSDP2's
+    sharded parameters) as a tensor whose storage is exactly its bytes
+    (``_host_tensor`` in the writer). So a contiguous CPU ``torch.Tensor`` or
+    ``nn.Parameter`` -- not quantized or nested, without the conj/neg bits
+    that torch.save pickles -- has a layout, wherever its storage starts, and
+    only while torch.save can be run without the zip CRC32.
     """
     if (
-        type(tensor) is not torch.Tensor
+        (type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter)
         or tensor.device.type != "cpu"
         or tensor.layout != torch.strided
         or tensor.is_quantized
         or tensor.is_nested
-        or tensor.__dict__
-        or tensor.storage_offset() != 0
+        or not tensor.is_contiguous()
         or not serialize.usable()
     ):
         return None
     nbytes = tensor.nbytes
-    if nbytes == 0 or tensor.untyped_storage().nbytes() != nbytes or tensor.is_conj() or tensor.is_neg():
+    if nbytes == 0 or torch._C._get_tensor_metadata(tensor):  # the conj / neg bits (is_conj() is slower)
         return None
-    return (tensor.dtype, tuple(tensor.shape), tensor.stride(), nbytes, tensor.requires_grad, alignment)
+    return (tensor.dtype, tuple(tensor.shape), tensor.stride(), nbytes, alignment)
 
 
 def known(layout: Layout) -> tuple[bytes, bytes] | None:

@@ -43,7 +43,7 @@ def shard_name(rank: int, token: str) -> str:
     return f"__{rank}_{token}{SHARD_SUFFIX}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemExtras:
     """What dcp_cloud records about one stored item beyond stock torch."""
 

@@ -3,7 +3,7 @@
 For every item with raw offsets (anything dcp_cloud wrote) the run computes
 the byte segments it needs (exact runs of the requested box, widened to
 whole checksum blocks when verifying), then packs the segments of each object
-into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.plan_requests`). A
+into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.iter_requests`). A
 request's body is scattered straight into the destination tensors where the
 layout allows (CPU, contiguous, same dtype and shape); otherwise into a
 temporary from the byte budget that is copied over when the item is
@@ -28,9 +28,9 @@ import bisect
 import io
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,8 @@ from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .layout import ItemExtras
-from .readplan import FRAMING_GAP, Request, Segment, plan_requests, plan_spans
+from .readplan import FRAMING_GAP, Segment, iter_requests, plan_spans
+from .tensorbytes import tensor_bytes
 
 log = logging.getLogger("dcp_cloud")
 
@@ -59,14 +60,6 @@ class _Pending:
     finish: Callable[[], None]
     lease: int
     what: str
-    keep: list[Any] = field(default_factory=list)
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """Writable bytes of a contiguous CPU tensor (any dtype)."""
-    if tensor.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class _Item:
@@ -143,8 +136,6 @@ class LoadRun:
         self.pending: deque[_Pending] = deque()
         self._discard = memoryview(bytearray(0))
         self._reserved = 0
-        self._max_gap = 0
-        self._planned: list[tuple[str, str, list[Request], list[_Item]]] = []
         # The request being built: object bytes [_b_start, _b_end) of _b_key.
         self._b_key = ""
         self._b_url = ""
@@ -275,20 +266,26 @@ class LoadRun:
         return item
 
     def _prepare(self, item: _Item) -> None:
-        """Resolve the destination and lay out where every segment byte goes."""
-        target = self.planner.resolve_tensor(item.req).detach()
+        """Resolve the destination and lay out where every segment byte goes.
+
+        No torch op runs here for a direct destination (see :mod:`.tensorbytes`):
+        the transfer threads are busy while later items are prepared.
+        """
+        target = self.planner.resolve_tensor(item.req)
         direct = (
             target.device.type == "cpu"
             and target.dtype == item.dtype
             and target.is_contiguous()
             and tuple(target.shape) == item.lengths
         )
+        if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
+            target = target.detach()
         spans = item.spans
         scratch_bytes = sum(end - start for start, end, _, _ in spans) - item.wanted
         item.lease = self.lease(scratch_bytes + (0 if direct else item.wanted))
         dest = target if direct else torch.empty(item.lengths, dtype=item.dtype)
         item.target, item.dest, item.direct = target, dest, direct
-        dest_bytes = byte_view(dest)
+        dest_bytes = tensor_bytes(dest)
         base = item.base
         if item.src is None:
             item.fills, item.starts = [dest_bytes], [base]
@@ -323,45 +320,45 @@ class LoadRun:
         item.target = item.dest = None
         item.fills = []
 
-    def plan_object(self, key: str, url: str, items: Sequence[_Item]) -> None:
-        """Plan the requests for ``items`` (all of object ``key``, sorted by offset); :meth:`read_planned` sends them."""
-        segments: list[Segment] = []
+    def read_object(self, key: str, url: str, entries: Iterable[tuple[ReadItem, Any, ItemExtras, str]]) -> None:
+        """Read the items of object ``key`` (``(req, info, extras, what)``, sorted by offset) with coalesced
+        requests; the first requests go out while later items are still being planned."""
         owners: list[_Item] = []
-        for item in items:
-            if not item.spans:  # nothing to read (an empty box)
-                self._prepare(item)
-                self._finish_item(item)
-                continue
-            block = item.extras.block_size if item.verify else 0
-            for start, end, _, _ in item.spans:
-                segments.append(Segment(item.base + start, item.base + end, block, item.base))
-                owners.append(item)
-        t = self.transfer
-        requests = plan_requests(
-            segments, max_gap=t.coalesce_gap, ratio=t.coalesce_ratio, chunk=t.read_chunk_size, free_gap=FRAMING_GAP
-        )
-        for r in requests:
-            if r.end - r.start > r.wanted:
-                self._max_gap = max(self._max_gap, min(t.coalesce_gap, r.end - r.start - r.wanted))
-        self._planned.append((key, url, requests, owners))
+        block_of = self.transfer.verify_checksums
 
-    def read_planned(self) -> None:
-        """Send every planned request, in order, landing earlier ones as the budget requires."""
-        if self._max_gap:
-            # One buffer that every gap of every request is read into (and nobody reads).
-            size = max(1, min(self._max_gap, self.engine.budget.capacity // 8))
-            self._reserved = self.lease(size)
-            self._discard = memoryview(bytearray(size))
-        planned, self._planned = self._planned, []
-        for key, url, requests, owners in planned:
+        def segments() -> Iterator[Segment]:
+            for req, info, extras, what in entries:
+                item = self.plan_item(req, key, info, extras, what)
+                if not item.spans:  # nothing to read (an empty box)
+                    self._prepare(item)
+                    self._finish_item(item)
+                    continue
+                block = extras.block_size if block_of else 0
+                for start, end, _, _ in item.spans:
+                    owners.append(item)
+                    yield Segment(item.base + start, item.base + end, block, item.base)
+
+        t = self.transfer
+        requests = iter_requests(
+            segments(), max_gap=t.coalesce_gap, ratio=t.coalesce_ratio, chunk=t.read_chunk_size, free_gap=FRAMING_GAP
+        )
+        for request in requests:
+            if request.end - request.start > request.wanted and not len(self._discard):
+                self._reserve_discard()
             self._b_key, self._b_url = key, url
-            for request in requests:
-                for index, start, end in request.parts:
-                    item = owners[index]
-                    if item.target is None:
-                        self._prepare(item)
-                    self._add(item, start, end)
-                self._send()
+            for index, start, end in request.parts:
+                item = owners[index]
+                if item.target is None:
+                    self._prepare(item)
+                self._add(item, start, end)
+            self._send()
+
+    def _reserve_discard(self) -> None:
+        """One buffer that every gap of every request is read into (and nobody reads); longer gaps use it
+        several times over."""
+        size = max(1, min(self.transfer.coalesce_gap, self.engine.budget.capacity // 8))
+        self._reserved = self.lease(size)
+        self._discard = memoryview(bytearray(size))
 
     def close(self) -> None:
         """Return the discard buffer's lease (after :meth:`drain`)."""

@@ -153,7 +153,7 @@ class CloudReader(CloudBase, StorageReader):
         return fut
 
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
-        """Start whole-item reads, and plan then send the coalesced reads of every object."""
+        """Start whole-item reads, then the coalesced reads of every object."""
         by_key: dict[str, tuple[str, list[Any]]] = {}
         for info, req in records:
             key = self.uri.key(info.relative_path)
@@ -173,11 +173,10 @@ class CloudReader(CloudBase, StorageReader):
             elif extras is None or extras.raw_offset is None:
                 run.start_whole(req, key, info, None, what)
             else:
-                coalesced.append(run.plan_item(req, key, info, extras, what))
-        for key, (url, items) in by_key.items():
-            if items:
-                run.plan_object(key, url, items)
-        run.read_planned()
+                coalesced.append((req, info, extras, what))
+        for key, (url, entries) in by_key.items():
+            if entries:
+                run.read_object(key, url, entries)
 
     def _info(self, req: ReadItem) -> Any:
         try:

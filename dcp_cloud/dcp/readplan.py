@@ -24,13 +24,13 @@ whole blocks of every item it touches and can be verified on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FRAMING_GAP", "Request", "Segment", "plan_requests", "plan_spans"]
+__all__ = ["FRAMING_GAP", "Request", "Segment", "iter_requests", "plan_requests", "plan_spans"]
 
 #: The longest gap always read through: torch.save puts ~1.5 KiB of zip framing
 #: (trailer of one item, header of the next) between the raw bytes of two
@@ -63,7 +63,7 @@ def plan_spans(
     return [(int(starts[f]), int(ends[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment:
     """Object bytes ``[start, end)`` that one load needs, all of one item.
 
@@ -78,7 +78,7 @@ class Segment:
     origin: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One ranged GET: object bytes ``[start, end)``.
 
@@ -106,9 +106,20 @@ def _cut(seg: Segment, pos: int, room: int) -> int:
 
 
 def plan_requests(
-    segments: Sequence[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+    segments: Iterable[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
 ) -> list[Request]:
+    """:func:`iter_requests` as a list."""
+    return list(iter_requests(segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap))
+
+
+def iter_requests(
+    segments: Iterable[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+) -> Iterator[Request]:
     """Pack the segments of one object (sorted by ``start``, disjoint) into requests.
+
+    A generator: each request is yielded as soon as it is complete, so the
+    caller can send the first ones while later segments are still being
+    worked out (``segments`` may be a generator too).
 
     Contract, for ``max_gap >= 0``, ``ratio >= 0``, ``chunk >= 1`` and ``free_gap >= 0``:
 
@@ -130,7 +141,8 @@ def plan_requests(
 
     Merging is greedy from the lowest offset: a segment joins the open
     request when the gap, the size and the ratio rules allow. ``O(n + r)``
-    for ``n`` segments and ``r`` requests.
+    for ``n`` segments and ``r`` requests. The indexes in ``parts`` count
+    segments in the order they came.
 
     >>> [(r.start, r.end, r.parts) for r in plan_requests(
     ...     [Segment(0, 100), Segment(104, 200), Segment(900, 1000)], max_gap=64, ratio=0.1, chunk=1 << 20)]
@@ -138,7 +150,6 @@ def plan_requests(
     """
     if max_gap < 0 or ratio < 0 or chunk < 1:
         raise ValueError(f"plan_requests needs max_gap >= 0, ratio >= 0, chunk >= 1; got {max_gap}, {ratio}, {chunk}")
-    requests: list[Request] = []
     cur: Request | None = None
     prev_end = -1
     for index, seg in enumerate(segments):
@@ -162,12 +173,12 @@ def plan_requests(
                     )
                 )
                 if not joins:
+                    yield cur
                     cur = None
                 elif free:
                     cur.free += gap
             if cur is None:
                 cur = Request(pos, pos)
-                requests.append(cur)
                 take = _cut(seg, pos, chunk)
                 if take <= pos:  # a block larger than chunk: one block alone
                     take = min(seg.end, pos + seg.block)
@@ -176,5 +187,7 @@ def plan_requests(
             cur.end = take
             pos = take
             if pos < seg.end:  # the request is full
+                yield cur
                 cur = None
-    return requests
+    if cur is not None:
+        yield cur

@@ -41,6 +41,7 @@ from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_m
 from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
+from .tensorbytes import tensor_bytes
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -148,7 +149,7 @@ def _write_framed(
 ) -> int:
     """Write ``tensor`` as torch.save would, from learned framing (see :mod:`.framing`); returns the raw offset."""
     header, trailer = frame
-    raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    raw = tensor_bytes(tensor, writable=False)
     if hasher is not None:
         hasher.update(raw)
     if owner is not None and len(raw) >= MIN_BORROWED_WRITE:
@@ -184,6 +185,19 @@ def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != tensor.nbytes:  # not a view: never seen
         return tensor.clone(memory_format=torch.contiguous_format), True
     return torch.empty(0, dtype=tensor.dtype).set_(exact, 0, tensor.shape, tensor.stride()), False
+
+
+def _plain_and_exact(data: Any) -> bool:
+    """A plain CPU tensor, not requiring grad, without Python state, whose storage is exactly its bytes."""
+    return (
+        type(data) is torch.Tensor
+        and not data.requires_grad
+        and data.device.type == "cpu"
+        and not data.__dict__
+        and data.storage_offset() == 0
+        and data.is_contiguous()
+        and data.untyped_storage().nbytes() == data.nbytes
+    )
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -409,16 +423,19 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     ) -> tuple[int, int]:
         """torch.save ``data`` into the stream; returns the offset of its raw bytes in what was written, and
         their length."""
-        tensor, temporary = _host_tensor(data)
+        layout = framing.layout_of(data, self._alignment) if self._alignment else None
+        frame = framing.known(layout) if layout is not None else None
+        if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory
+            return _write_framed(stream, data, frame, hasher, data), data.nbytes
+        # A plain tensor that owns exactly its bytes is used as it is: detach()
+        # would give the same bytes and the same torch.save output, at the price
+        # of a torch op (see .tensorbytes) for each of thousands of items.
+        tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
         # The caller's memory is uploaded in place (``data`` stays referenced
         # with it); a temporary host copy is copied into part buffers instead,
         # so it can be freed at once (kept alive by in-flight parts,
         # temporaries would add to peak memory).
         owner = None if temporary else (tensor, data)
-        layout = framing.layout_of(tensor, self._alignment) if self._alignment else None
-        frame = framing.known(layout) if layout is not None else None
-        if frame is not None:
-            return _write_framed(stream, tensor, frame, hasher, owner), tensor.nbytes
         tap = _ItemTap(stream, tensor, hasher, owner=owner, capture=layout is not None)
         try:
             save_tensor(tensor, tap)
@@ -435,7 +452,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
         captured = tap.framing
         if layout is not None and captured is not None:
-            values = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            values = tensor_bytes(tensor, writable=False)
             framing.learn(layout, *captured, crc32c.crc32c(values).to_bytes(4, "big"))
         return tap.raw_offset, tensor.nbytes
 
