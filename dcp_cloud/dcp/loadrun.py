@@ -324,7 +324,7 @@ class LoadRun:
         item.fills = []
 
     def plan_object(self, key: str, url: str, items: Sequence[_Item]) -> None:
-        """Plan the requests for ``items`` (all of object ``key``, sorted by offset); :meth:`read_planned` sends them."""
+        """Plan the requests for ``items`` (all of object ``key``, sorted by offset); :meth:`read_planned` sends."""
         segments: list[Segment] = []
         owners: list[_Item] = []
         for item in items:
