@@ -150,16 +150,26 @@ def child_load(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("local", "s3", "gcs"), default="local",
-                   help="store dcp_cloud writes to: local directory (file://, default), moto (s3), fake-gcs (gcs)")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backend",
+        choices=("local", "s3", "gcs"),
+        default="local",
+        help="store dcp_cloud writes to: local directory (file://, default), moto (s3), fake-gcs (gcs)",
+    )
     p.add_argument("--shards-mb", default="256,2048", help="comma-separated shard sizes in MiB (default 256,2048)")
     p.add_argument("--tensor-mb", type=float, default=16, help="size of each fp32 tensor in MiB (default 16)")
     p.add_argument("--small-part-mb", type=float, default=8, help="part_size of the small-budget run (default 8)")
-    p.add_argument("--small-inflight", type=int, default=4, help="max_inflight_parts of the small-budget run (default 4)")
+    p.add_argument(
+        "--small-inflight", type=int, default=4, help="max_inflight_parts of the small-budget run (default 4)"
+    )
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
     p.add_argument("--repeats", type=int, default=1, help="measurements per cell; the table shows the largest extra")
-    p.add_argument("--workdir", default=tempfile.gettempdir(), help="where local checkpoints are written (default: temp dir)")
+    p.add_argument(
+        "--workdir", default=tempfile.gettempdir(), help="where local checkpoints are written (default: temp dir)"
+    )
     p.add_argument("--json", default=None, help="raw results file (default bench-results/memory-<backend>.json)")
     p.add_argument("--no-verify", action="store_true", help="skip checking loaded values")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per child process")
@@ -183,7 +193,11 @@ def render(runs: list[dict[str, Any]], args: argparse.Namespace, shards: list[fl
         for c in contenders:
             cell = {}
             for op in ("save", "load"):
-                ok = [r for r in runs if r["size_mb"] == size and r["contender"] == c and r["op"] == op and "error" not in r]
+                ok = [
+                    r
+                    for r in runs
+                    if r["size_mb"] == size and r["contender"] == c and r["op"] == op and "error" not in r
+                ]
                 cell[op] = max(ok, key=lambda r: r["rss_extra"]) if ok else None
             sv, ld = cell["save"], cell["load"]
             any_run = sv or ld

@@ -76,7 +76,11 @@ def pattern(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: 
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    )
 
 
 # ----------------------------------------------------------------------------- state dicts per rank
@@ -172,8 +176,9 @@ def _transfer(block_kib: int, verify: bool) -> Any:
 
 
 def rank_save(rank: int, world: int, spec: dict, uri: str, dim: int, block_kib: int) -> dict[str, Any]:
-    import dcp_cloud
     from torch.distributed.device_mesh import init_device_mesh
+
+    import dcp_cloud
 
     mesh = init_device_mesh("cpu", (world,))
     sd = sharded_sd(spec, mesh, dim, fill=True)
@@ -246,7 +251,9 @@ def replicated_sd(balance_mb: int) -> dict[str, torch.Tensor]:
     """A fully replicated (DDP-style) state dict: one embedding holding 50% of the bytes, plus layer matrices."""
     hidden = 1024
     half = balance_mb * MiB // 2
-    sd = {"embed.weight": pattern("embed.weight", (half // (4 * hidden), hidden), (0, 0), (half // (4 * hidden), hidden))}
+    sd = {
+        "embed.weight": pattern("embed.weight", (half // (4 * hidden), hidden), (0, 0), (half // (4 * hidden), hidden))
+    }
     i, left = 0, half
     while left > 0:
         rows = min(left // (4 * hidden), 2816)
@@ -327,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     one = {"layers.1.mlp.up.weight": spec["layers.1.mlp.up.weight"]}
     print(
         f"model: {len(spec)} fp32 tensors, {fmt_mib(total)} MiB; checksum blocks {block_kib} KiB, "
-        f"verify={verify}, coalesce_gap {dcp_cloud.TransferConfig().coalesce_gap // 1024} KiB; torch {torch.__version__}",
+        f"verify={verify}, coalesce_gap {dcp_cloud.TransferConfig().coalesce_gap // 1024} KiB; "
+        f"torch {torch.__version__}",
         flush=True,
     )
 
@@ -339,14 +347,19 @@ def main(argv: list[str] | None = None) -> int:
             env["AWS_CONFIG_FILE"] = os.devnull
             env["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
             client = boto3.client(
-                "s3", endpoint_url=moto.endpoint_url, region_name="us-east-1",
-                aws_access_key_id="testing", aws_secret_access_key="testing",
+                "s3",
+                endpoint_url=moto.endpoint_url,
+                region_name="us-east-1",
+                aws_access_key_id="testing",
+                aws_secret_access_key="testing",
             )
             client.create_bucket(Bucket=BUCKET)
 
             def save(name: str, world: int, dim: int) -> str:
                 t0 = time.perf_counter()
-                run_ranks(world, rank_save, spec, f"s3://{BUCKET}/{name}", dim, block_kib, env=env, timeout=args.timeout)
+                run_ranks(
+                    world, rank_save, spec, f"s3://{BUCKET}/{name}", dim, block_kib, env=env, timeout=args.timeout
+                )
                 download(client, BUCKET, name, work / name)
                 print(f"  saved {name} on {world} ranks in {time.perf_counter() - t0:.1f}s", flush=True)
                 return name
@@ -369,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
                     "stock_seconds": max(r["stock_seconds"] for r in results),
                 }
                 rows.append((label, row))
-                print(f"  {label}: needed {row['needed']} engine {row['engine']} proxy {data} stock {row['stock']}", flush=True)
+                print(
+                    f"  {label}: needed {row['needed']} engine {row['engine']} proxy {data} stock {row['stock']}",
+                    flush=True,
+                )
 
             s2 = save("save2-dim0", 2, 0)
             s4 = save("save4-dim0", 4, 0)
@@ -377,16 +393,43 @@ def main(argv: list[str] | None = None) -> int:
 
             def load(world: int, name: str, dim: int) -> list[dict[str, Any]]:
                 proxy.reset_counters()
-                return run_ranks(world, rank_load, spec, f"s3://{BUCKET}/{name}", str(work / name), dim, block_kib, verify, env=env, timeout=args.timeout)
+                return run_ranks(
+                    world,
+                    rank_load,
+                    spec,
+                    f"s3://{BUCKET}/{name}",
+                    str(work / name),
+                    dim,
+                    block_kib,
+                    verify,
+                    env=env,
+                    timeout=args.timeout,
+                )
 
             def load1(sub: dict, name: str) -> list[dict[str, Any]]:
                 proxy.reset_counters()
-                return [run_single(single_load, sub, f"s3://{BUCKET}/{name}", str(work / name), block_kib, verify, env=env, timeout=args.timeout)]
+                return [
+                    run_single(
+                        single_load,
+                        sub,
+                        f"s3://{BUCKET}/{name}",
+                        str(work / name),
+                        block_kib,
+                        verify,
+                        env=env,
+                        timeout=args.timeout,
+                    )
+                ]
 
             measure("(a) save 2 -> load 8, dim-0 shards", load(8, s2, 0))
             measure("(b) save 4 -> load 3, dim-0 (uneven)", load(3, s4, 0))
-            measure(f"(c) one tensor ({fmt_mib(spec_bytes(one))} MiB) of the 4-rank checkpoint, 1 process", load1(one, s4))
-            measure(f"(c) one layer ({fmt_mib(spec_bytes(layer))} MiB) of the 4-rank checkpoint, 1 process", load1(layer, s4))
+            measure(
+                f"(c) one tensor ({fmt_mib(spec_bytes(one))} MiB) of the 4-rank checkpoint, 1 process", load1(one, s4)
+            )
+            measure(
+                f"(c) one layer ({fmt_mib(spec_bytes(layer))} MiB) of the 4-rank checkpoint, 1 process",
+                load1(layer, s4),
+            )
             measure("(d) save 4 -> load 1 process, whole model", load1(spec, s4))
             measure("(e) save 4 -> load 3, Shard(1) (dim-1)", load(3, s4d1, 1))
             measure("(f) save 4 dim-0 -> load 2 as Shard(1)", load(2, s4, 1))
@@ -395,7 +438,15 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_balance:
                 for name, balanced in (("stock DefaultSavePlanner", False), ("BalancedSavePlanner", True)):
                     proxy.reset_counters()
-                    res = run_ranks(4, rank_save_replicated, f"s3://{BUCKET}/rep-{int(balanced)}", args.balance_mb, balanced, env=env, timeout=args.timeout)
+                    res = run_ranks(
+                        4,
+                        rank_save_replicated,
+                        f"s3://{BUCKET}/rep-{int(balanced)}",
+                        args.balance_mb,
+                        balanced,
+                        env=env,
+                        timeout=args.timeout,
+                    )
                     snap = proxy.reset_counters()
                     balance.append((name, res, snap.request_bytes))
                     print(f"  replicated save with {name}: {[r['written'] for r in res]}", flush=True)
@@ -403,9 +454,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"### Read amplification ({fmt_mib(total)} MiB fp32 model, {len(spec)} tensors; checksum blocks {block_kib} KiB, verify={verify})")
+    print(
+        f"### Read amplification ({fmt_mib(total)} MiB fp32 model, {len(spec)} tensors; "
+        f"checksum blocks {block_kib} KiB, verify={verify})"
+    )
     print()
-    print("| scenario | needed MiB | dcp_cloud engine MiB | proxy MiB | ratio (engine / proxy) | stock FileSystemReader MiB | stock ratio |")
+    print(
+        "| scenario | needed MiB | dcp_cloud engine MiB | proxy MiB | ratio (engine / proxy) "
+        "| stock FileSystemReader MiB | stock ratio |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     metas = []
     for label, r in rows:
@@ -424,9 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if balance:
         print()
-        print(f"### Write balance (fully replicated {args.balance_mb} MiB state dict, embedding = 50% of bytes, 4 ranks)")
+        print(
+            f"### Write balance (fully replicated {args.balance_mb} MiB state dict, embedding = 50% of bytes, 4 ranks)"
+        )
         print()
-        print("| planner | bytes written per rank (MiB) | total MiB (proxy PUT bodies) | max / mean | save s (slowest rank; shared CPU, indicative) |")
+        print(
+            "| planner | bytes written per rank (MiB) | total MiB (proxy PUT bodies) | max / mean "
+            "| save s (slowest rank; shared CPU, indicative) |"
+        )
         print("|---|---|---:|---:|---:|")
         for name, res, put_bytes in balance:
             written = [r["written"] for r in res]

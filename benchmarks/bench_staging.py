@@ -14,9 +14,10 @@ set of layers: a bf16 weight and two fp32 Adam moments each) on ``--device``
 
 Contenders: ``dcp_cloud`` (LocalWriter, a new writer every save, as users
 do), ``dcp_cloud_bg`` (background staging), ``stock`` (FileSystemWriter with
-``cache_staged_state_dict=True`` on CUDA (its cache pins, which needs a device), one writer reused: its cache lives on the
-writer). Everything goes to ``--workdir`` (use a tmpfs such as /dev/shm so
-the disk is not what is measured).
+``cache_staged_state_dict=True`` on CUDA (its cache pins, which needs a
+device), one writer reused: its cache lives on the writer). Everything goes
+to ``--workdir`` (use a tmpfs such as /dev/shm so the disk is not what is
+measured).
 
     python benchmarks/bench_staging.py --size-gb 4 --workdir /dev/shm/bench
 """
@@ -83,7 +84,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     del host
     stalls, cpu_before = [], cpu_seconds()
     stock_writer = (
-        dcp.FileSystemWriter(f"{workdir}/{name}-s0", cache_staged_state_dict=device == "cuda") if name == "stock" else None
+        dcp.FileSystemWriter(f"{workdir}/{name}-s0", cache_staged_state_dict=device == "cuda")
+        if name == "stock"
+        else None
     )
     for step in range(spec["saves"]):
         path = f"{workdir}/{name}-s{step}"
@@ -117,15 +120,28 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     target = {k: torch.empty_like(t) for k, t in state.items()}
     _sync(device)
     started = time.perf_counter()
-    reader = dcp.FileSystemReader(f"{workdir}/{name}-sync") if name == "stock" else dcp_cloud.LocalReader(f"{workdir}/{name}-sync")
+    reader = (
+        dcp.FileSystemReader(f"{workdir}/{name}-sync")
+        if name == "stock"
+        else dcp_cloud.LocalReader(f"{workdir}/{name}-sync")
+    )
     dcp.load(target, storage_reader=reader)
     _sync(device)
     load_s = time.perf_counter() - started
     same = all(torch.equal(target[k], state[k]) for k in state)
     return {
-        "contender": name, "device": device, "bytes": nbytes, "copy_s": min(copies), "stalls": stalls,
-        "async_cpu_s": async_cpu, "pool_bytes": pool, "pool_freed": freed, "save_s": save_s, "load_s": load_s,
-        "bitwise": same, "extra_rss": ru_maxrss() - base_rss,
+        "contender": name,
+        "device": device,
+        "bytes": nbytes,
+        "copy_s": min(copies),
+        "stalls": stalls,
+        "async_cpu_s": async_cpu,
+        "pool_bytes": pool,
+        "pool_freed": freed,
+        "save_s": save_s,
+        "load_s": load_s,
+        "bitwise": same,
+        "extra_rss": ru_maxrss() - base_rss,
     }
 
 
@@ -151,8 +167,14 @@ def main() -> None:
     for name in args.contenders.split(","):
         shutil.rmtree(args.workdir, ignore_errors=True)
         os.makedirs(args.workdir)
-        spec = {"contender": name, "device": args.device, "workdir": args.workdir, "size_gb": args.size_gb,
-                "layers": args.layers, "saves": args.saves}
+        spec = {
+            "contender": name,
+            "device": args.device,
+            "workdir": args.workdir,
+            "size_gb": args.size_gb,
+            "layers": args.layers,
+            "saves": args.saves,
+        }
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
@@ -162,14 +184,31 @@ def main() -> None:
         runs.append(r)
         later = r["stalls"][1:] or r["stalls"]
         gib = r["bytes"] / GiB
-        rows.append([
-            name, f"{r['copy_s']:.3f}", f"{r['stalls'][0]:.3f}", f"{statistics.median(later):.3f}",
-            f"{statistics.median(later) / r['copy_s']:.2f}", f"{gib / r['save_s']:.2f}", f"{gib / r['load_s']:.2f}",
-            f"{r['pool_bytes'] / GiB:.2f}", str(r["bitwise"]),
-        ])
+        rows.append(
+            [
+                name,
+                f"{r['copy_s']:.3f}",
+                f"{r['stalls'][0]:.3f}",
+                f"{statistics.median(later):.3f}",
+                f"{statistics.median(later) / r['copy_s']:.2f}",
+                f"{gib / r['save_s']:.2f}",
+                f"{gib / r['load_s']:.2f}",
+                f"{r['pool_bytes'] / GiB:.2f}",
+                str(r["bitwise"]),
+            ]
+        )
     shutil.rmtree(args.workdir, ignore_errors=True)
-    headers = ["contender", "host copy s", "stall 1st s", "stall 2nd+ s (median)", "2nd+/copy", "sync save GiB/s",
-               "load GiB/s", "pool GiB", "bitwise"]
+    headers = [
+        "contender",
+        "host copy s",
+        "stall 1st s",
+        "stall 2nd+ s (median)",
+        "2nd+/copy",
+        "sync save GiB/s",
+        "load GiB/s",
+        "pool GiB",
+        "bitwise",
+    ]
     text = f"device {args.device}, {args.size_gb} GiB state, {args.saves} saves\n\n" + markdown_table(headers, rows)
     print(text)
     write_results(args.json or "bench-results/staging.json", {"runs": runs, "args": vars(args)}, text)

@@ -400,7 +400,9 @@ def _s3tc_writer(spec: dict[str, Any]) -> Any:
 def _s3tc_reader(spec: dict[str, Any]) -> Any:
     from s3torchconnector.dcp import S3StorageReader
 
-    return S3StorageReader(region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"], s3client_config=_s3tc_config())
+    return S3StorageReader(
+        region=os.environ.get("AWS_REGION", "us-east-1"), path=spec["uri"], s3client_config=_s3tc_config()
+    )
 
 
 def _preload(spec: dict[str, Any]) -> None:
@@ -412,6 +414,7 @@ def _preload(spec: dict[str, Any]) -> None:
         if spec.get("s3tc_target"):  # this contender's own copy, first on sys.path (this process only)
             sys.path.insert(0, spec["s3tc_target"])
         import s3torchconnector.dcp  # noqa: F401
+
         return
     import dcp_cloud  # noqa: F401
 
@@ -481,7 +484,9 @@ def _defaults() -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = _defaults()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--backend", choices=("s3", "gcs"), default="s3", help="object store server to start (default s3)")
     p.add_argument(
         "--server", choices=("moto", "s3rver"), default="moto",
@@ -497,14 +502,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--part-mb", type=float, default=d.part_size / C.MiB, help="TransferConfig.part_size in MiB")
     p.add_argument("--inflight", type=int, default=d.max_inflight_parts, help="TransferConfig.max_inflight_parts")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="TransferConfig.concurrency (also the wire pool)")
-    p.add_argument("--read-chunk-mb", type=float, default=d.read_chunk_size / C.MiB, help="TransferConfig.read_chunk_size in MiB")
-    p.add_argument("--workdir", default=tempfile.gettempdir(), help="where local-disk contenders write (default: temp dir)")
     p.add_argument(
-        "--s3tc-python", default=None, help="python of a virtualenv with s3torchconnector (adds its contenders; s3 only)"
+        "--concurrency", type=int, default=d.concurrency, help="TransferConfig.concurrency (also the wire pool)"
     )
     p.add_argument(
-        "--s3tc-target", default=None,
+        "--read-chunk-mb", type=float, default=d.read_chunk_size / C.MiB, help="TransferConfig.read_chunk_size in MiB"
+    )
+    p.add_argument(
+        "--workdir", default=tempfile.gettempdir(), help="where local-disk contenders write (default: temp dir)"
+    )
+    p.add_argument(
+        "--s3tc-python",
+        default=None,
+        help="python of a virtualenv with s3torchconnector (adds its contenders; s3 only)",
+    )
+    p.add_argument(
+        "--s3tc-target",
+        default=None,
         help=f"directory of a `pip install --no-deps --target DIR s3torchconnector=={S3TC_VERSION} "
         f"s3torchconnectorclient=={S3TC_VERSION} tenacity` (installed there if missing); put first on sys.path "
         "in the s3torchconnector children only (adds its contenders; s3 only)",
@@ -567,10 +581,9 @@ def _goals(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
     for op, target in (("save", 1.1), ("load", 1.5)):
         best = max(peers, key=lambda p: summary[p][op]["mib_s_median"] or 0)
         ratio = _ratio(ours[op]["mib_s_median"], summary[best][op]["mib_s_median"])
-        rows.append([
-            f"{op} MiB/s", C.fmt(ours[op]["mib_s_median"]), f"{C.fmt(summary[best][op]['mib_s_median'])} ({LABELS[best]})",
-            C.fmt(ratio, 2), f">= {target}", "yes" if ratio is not None and ratio >= target else "no",
-        ])  # fmt: skip
+        peer = f"{C.fmt(summary[best][op]['mib_s_median'])} ({LABELS[best]})"
+        met = "yes" if ratio is not None and ratio >= target else "no"
+        rows.append([f"{op} MiB/s", C.fmt(ours[op]["mib_s_median"]), peer, C.fmt(ratio, 2), f">= {target}", met])
     for op in ("save", "load"):
         thrifty = min(peers, key=lambda p: summary[p][op]["cpu_s_median"] or float("inf"))
         ratio = _ratio(ours[op]["cpu_s_median"], summary[thrifty][op]["cpu_s_median"])
@@ -606,7 +619,8 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
         ])  # fmt: skip
     head = (
         f"### Throughput: {args.size_mb:g} MiB state dict ({args.tensors} x {args.size_mb / args.tensors:g} MiB fp32), "
-        f"backend {args.backend} ({args.server if args.backend == 's3' else 'fake-gcs-server'}), {args.repeats} repeats, "
+        f"backend {args.backend} ({args.server if args.backend == 's3' else 'fake-gcs-server'}), "
+        f"{args.repeats} repeats, "
         "each op in a fresh process\n\n"
         f"part_size {args.part_mb:g} MiB, max_inflight_parts {args.inflight}, concurrency {args.concurrency}, "
         f"read_chunk_size {args.read_chunk_mb:g} MiB; load average at start {env.get('loadavg_start')}\n\n"
@@ -641,7 +655,8 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
     out = head + table
     refs = summary.get("dcp_cloud_ref", {}).get("load", {}).get("modules")
     if refs:
-        out += f"\n\ndcp_cloud_ref ran {', '.join(refs)}; dcp_cloud ran {', '.join(summary['dcp_cloud']['load']['modules'])}"
+        ours_ran = ", ".join(summary["dcp_cloud"]["load"]["modules"])
+        out += f"\n\ndcp_cloud_ref ran {', '.join(refs)}; dcp_cloud ran {ours_ran}"
     goals = _goals(summary)
     if goals:
         out += "\n\nGoals against the best peer (throughput by median; client CPU against the thriftiest peer):\n\n"
@@ -748,13 +763,16 @@ def main(argv: list[str] | None = None) -> int:
                     result.update(contender=contender, op=op, round=round_no)
                     result["server_rss_after"] = C.server_rss(target.extra.get("server_pid"))
                     if "error" in result:
-                        print(f"  round {round_no} {contender} {op}: ERROR {result['error']}", file=sys.stderr, flush=True)
+                        print(
+                            f"  round {round_no} {contender} {op}: ERROR {result['error']}", file=sys.stderr, flush=True
+                        )
                     elif record:
                         mibs = result["bytes"] / C.MiB / result["seconds"]
                         print(
                             f"  round {round_no} {contender:16s} {op}: {result['seconds']:6.2f} s {mibs:7.1f} MiB/s, "
                             f"cpu {result['cpu_s']:5.2f} s, extra RSS {C.mib(result['rss_extra'])} MiB",
-                            file=sys.stderr, flush=True,
+                            file=sys.stderr,
+                            flush=True,
                         )
                     if record:
                         runs.append(result)

@@ -166,12 +166,14 @@ def assert_same_state(actual: Any, expected: Any, path: str = "") -> None:
         assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
         assert _bits(actual) == _bits(expected), f"{where}: tensor bits differ"
     elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
+        assert isinstance(actual, dict) and set(actual) == set(expected), (
+            f"{where}: keys {set(actual)} != {set(expected)}"
+        )
         for key in expected:
             assert_same_state(actual[key], expected[key], f"{path}.{key}" if path else str(key))
     elif isinstance(expected, (list, tuple)):
         assert type(actual) is type(expected) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=False)):
             assert_same_state(a, e, f"{where}[{i}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"

@@ -160,8 +160,20 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.multirank
 def test_demo_saves_on_2_and_loads_on_3_ranks() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "dcp_cloud", "demo", "--save-ranks", "2", "--load-ranks", "3", "--steps", "2",
-         "--size-mb", "0.25"],
+        [
+            sys.executable,
+            "-m",
+            "dcp_cloud",
+            "demo",
+            "--save-ranks",
+            "2",
+            "--load-ranks",
+            "3",
+            "--steps",
+            "2",
+            "--size-mb",
+            "0.25",
+        ],
         capture_output=True,
         text=True,
         timeout=900,

@@ -43,7 +43,9 @@ def _build(world: int, seed: int) -> tuple[Any, Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    model = nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)
+    )
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -111,7 +113,9 @@ def _reference_then_resume(rank: int, world: int, uri: str) -> dict[str, Any]:
 
     model, opt, sched = _build(world, seed=0)
     losses = [_train_step(model, opt, sched, step, rank, world) for step in range(K)]
-    dcp_cloud.save(_state(model, opt, sched, K), storage_writer=dcp_cloud.S3Writer(uri), planner=dcp_cloud.BalancedSavePlanner())
+    dcp_cloud.save(
+        _state(model, opt, sched, K), storage_writer=dcp_cloud.S3Writer(uri), planner=dcp_cloud.BalancedSavePlanner()
+    )
     losses += [_train_step(model, opt, sched, step, rank, world) for step in range(K, K + J)]
     reference = (losses, _full_weights(model), sched.get_last_lr()[0])
     del model, opt, sched
@@ -141,8 +145,10 @@ def test_fsdp2_adam_resumes_on_2_and_3_ranks(s3_bucket: str, s3_env: dict[str, s
         results = run_ranks(world, _resume, uri, env=s3_env, timeout=600)
         losses, weights, lr = results[0]
         assert all(r[0] == losses for r in results)  # every rank reports the same global loss
-        print(f"resumed on {world}: losses {losses} vs uninterrupted {after}; max rel diff "
-              f"{max(abs(a - b) / abs(b) for a, b in zip(losses, after)):.2e}")
+        print(
+            f"resumed on {world}: losses {losses} vs uninterrupted {after}; max rel diff "
+            f"{max(abs(a - b) / abs(b) for a, b in zip(losses, after, strict=False)):.2e}"
+        )
         assert lr == ref_lr
         assert losses == pytest.approx(after, rel=1e-5, abs=1e-7)
         for k, w in ref_weights.items():

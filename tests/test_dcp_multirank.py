@@ -136,7 +136,9 @@ def _load_columns(world_size: int, name: str, uri: str) -> dict[str, Any]:
     dcp.load(state, storage_reader=_make("r", name, uri))
     # Small checksum blocks and no coalescing: runs widened to blocks, verified piecewise.
     fine = {"optim": {"state": {"0.weight": {"exp_avg": cols(ROWS, 12)}}}}
-    dcp.load(fine, storage_reader=_make("r", name, uri, transfer=TransferConfig(checksum_block_size=4096, coalesce_gap=0)))
+    dcp.load(
+        fine, storage_reader=_make("r", name, uri, transfer=TransferConfig(checksum_block_size=4096, coalesce_gap=0))
+    )
     return {
         "0.weight": state["model"]["0.weight"].full_tensor(),
         "2.weight.exp_avg": state["optim"]["state"]["2.weight"]["exp_avg"].full_tensor(),
@@ -169,7 +171,9 @@ def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missi
     # Loading a checkpoint that does not exist: from the constructor, and from reset().
     expect("missing-ctor", CheckpointNotFoundError, lambda: dcp.load(state, storage_reader=_make("r", name, missing)))
     reader = _make("r", name, uri)
-    expect("missing-reset", CheckpointNotFoundError, lambda: dcp.load(state, checkpoint_id=missing, storage_reader=reader))
+    expect(
+        "missing-reset", CheckpointNotFoundError, lambda: dcp.load(state, checkpoint_id=missing, storage_reader=reader)
+    )
     # Saving over an existing checkpoint: from the constructor, and from reset().
     expect("exists-ctor", CheckpointExistsError, lambda: _make("w", name, uri))
     writer = _make("w", name, late)

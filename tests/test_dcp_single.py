@@ -108,10 +108,10 @@ def test_writer_and_reader_reused_across_steps_with_checkpoint_id(backend, asser
     writer = backend.writer(uris[0])
     states = [{"w": torch.full((4, 3), float(i)), "step": i} for i in range(3)]
     dcp.save(states[0], storage_writer=writer)
-    for uri, state in zip(uris[1:], states[1:]):
+    for uri, state in zip(uris[1:], states[1:], strict=False):
         dcp.save(state, checkpoint_id=uri, storage_writer=writer)
     reader = backend.reader(uris[2])
-    for uri, state in zip(uris, states):
+    for uri, state in zip(uris, states, strict=False):
         target = {"w": torch.zeros(4, 3), "step": -1}
         dcp.load(target, checkpoint_id=uri, storage_reader=reader)
         assert_same(target, state)

@@ -92,7 +92,9 @@ class Target:
         if self.name == "s3":
             from dcp_cloud.store.s3 import S3Config, S3Store
 
-            return S3Store(self.bucket, S3Config(endpoint_url=self.proxy.url), request_timeout=request_timeout, limits=LIMITS)
+            return S3Store(
+                self.bucket, S3Config(endpoint_url=self.proxy.url), request_timeout=request_timeout, limits=LIMITS
+            )
         from dcp_cloud.store.gcs import GCSConfig, GCSStore
 
         return GCSStore(self.bucket, GCSConfig(endpoint=self.proxy.url), request_timeout=request_timeout)
@@ -133,9 +135,7 @@ def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     with FaultProxy(upstream, flavor=flavor) as proxy:
         if request.param == "s3":
             env = moto_env(server)
-            env.update(
-                AWS_ENDPOINT_URL=proxy.url, AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull
-            )
+            env.update(AWS_ENDPOINT_URL=proxy.url, AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
             for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
                 monkeypatch.delenv(var, raising=False)
         else:
@@ -287,7 +287,7 @@ def test_every_fault_kind_is_retried_once(target: Target, kind: str) -> None:
         "head": lambda: retrying.head("obj"),
         "list": lambda: list(retrying.list("o")),
     }
-    for phase in (("request", "response") if kind in ("reset", "stall") else ("either",)):
+    for phase in ("request", "response") if kind in ("reset", "stall") else ("either",):
         for op, call in calls.items():
             target.proxy.set_plan(FaultPlan.only(kind, 1.0, max_faults=1, phase=phase, seed=3, stall_seconds=STALL_S))
             retries.clear()
@@ -312,7 +312,9 @@ def test_stall_ends_at_the_request_timeout(target: Target) -> None:
     with pytest.raises(TransientStoreError):
         store.get("obj")
     elapsed = time.monotonic() - started
-    assert 0.9 <= elapsed < STALL_S / 2, f"a stalled GET ended after {elapsed:.1f}s (request_timeout=1s, stall={STALL_S}s)"
+    assert 0.9 <= elapsed < STALL_S / 2, (
+        f"a stalled GET ended after {elapsed:.1f}s (request_timeout=1s, stall={STALL_S}s)"
+    )
     target.proxy.set_plan(FaultPlan(stall=1.0, stall_seconds=STALL_S, phase="response"))
     started = time.monotonic()
     with pytest.raises(TransientStoreError):

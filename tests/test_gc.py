@@ -196,7 +196,9 @@ def _state() -> dict[str, Any]:
 
 
 def _save(env: Env, name: str, *, overwrite: bool = False, checksums: bool = True, state: dict | None = None) -> None:
-    dcp_cloud.save(state if state is not None else _state(), storage_writer=env.writer(env.uri(name), overwrite, checksums))
+    dcp_cloud.save(
+        state if state is not None else _state(), storage_writer=env.writer(env.uri(name), overwrite, checksums)
+    )
 
 
 def _assert_loads_bitwise(env: Env, name: str) -> None:
@@ -384,7 +386,12 @@ def test_verify_reads_in_bounded_chunks(tmp_path: Path) -> None:
     """Small read chunks and budget: many ranged reads, same answer."""
     (tmp_path / "run").mkdir()
     state = {"w": torch.randn(1000, 64)}  # 256 KB
-    dcp_cloud.save(state, storage_writer=dcp_cloud.LocalWriter(f"file://{tmp_path}/run/s", transfer=dcp_cloud.TransferConfig(checksum_block_size=4096)))
+    dcp_cloud.save(
+        state,
+        storage_writer=dcp_cloud.LocalWriter(
+            f"file://{tmp_path}/run/s", transfer=dcp_cloud.TransferConfig(checksum_block_size=4096)
+        ),
+    )
     small = dcp_cloud.TransferConfig(read_chunk_size=16384, part_size=16384, max_inflight_parts=2, coalesce_gap=0)
     report = verify(f"file://{tmp_path}/run/s", transfer=small)
     assert report.bytes_verified == state["w"].nbytes

@@ -97,8 +97,11 @@ def test_ours_loads_with_stock_filesystem_reader(backend, tmp_path: Path, assert
 
 @pytest.mark.parametrize(
     "options",
-    [pytest.param({}, id="defaults"), pytest.param({"thread_count": 2}, id="threads2"),
-     pytest.param({"single_file_per_rank": False}, id="file-per-item")],  # fmt: skip
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param({"thread_count": 2}, id="threads2"),
+        pytest.param({"single_file_per_rank": False}, id="file-per-item"),
+    ],  # fmt: skip
 )
 def test_stock_filesystem_writer_loads_with_ours(backend, tmp_path: Path, assert_same, options: dict) -> None:
     dcp.save(_state(), storage_writer=FileSystemWriter(str(tmp_path), **options))
@@ -131,7 +134,11 @@ def test_two_rank_interop_both_ways(backend, tmp_path: Path, assert_same) -> Non
     # Our 2-rank checkpoint, downloaded, loaded unsharded by the stock reader.
     names = backend.download(ours, tmp_path / "ours")
     assert len([n for n in names if n.endswith(".distcp")]) == 2
-    target = {"w": torch.zeros(SHARDED_ROWS, 6), "i64": torch.zeros(25, dtype=torch.int64),
-              "bf16": torch.zeros(5, 4, dtype=torch.bfloat16), "nested": {"b": torch.zeros(3), "step": 0, "tag": ""}}  # fmt: skip
+    target = {
+        "w": torch.zeros(SHARDED_ROWS, 6),
+        "i64": torch.zeros(25, dtype=torch.int64),
+        "bf16": torch.zeros(5, 4, dtype=torch.bfloat16),
+        "nested": {"b": torch.zeros(3), "step": 0, "tag": ""},
+    }
     dcp.load(target, storage_reader=FileSystemReader(str(tmp_path / "ours")))
     assert_same(target, {k: full[k] for k in ("w", "i64", "bf16", "nested")})

@@ -42,7 +42,7 @@ def test_box_byte_runs_match_torch(
     case: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], elem_size: int, seed: int
 ) -> None:
     shape, offsets, lengths = case
-    index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=False))
     nbytes = box_bytes(lengths, elem_size)
     runs = box_byte_runs(shape, elem_size, offsets, lengths)
 
@@ -64,11 +64,11 @@ def test_box_byte_runs_match_torch(
         assert runs == []
         return
     dst = 0
-    for src, d, n in runs:
+    for _src, d, n in runs:
         assert n > 0 and d == dst
         dst += n
     assert dst == nbytes
-    for (s0, d0, n0), (s1, d1, n1) in zip(runs, runs[1:]):
+    for (s0, d0, n0), (s1, d1, _n1) in zip(runs, runs[1:], strict=False):
         assert s0 + n0 <= s1, "runs in increasing, non-overlapping src order"
         assert not (s0 + n0 == s1 and d0 + n0 == d1), "adjacent runs must be merged"
 
@@ -129,7 +129,7 @@ def two_boxes(draw: st.DrawFn) -> tuple[tuple[int, ...], list[int], list[int], l
 
 def _mask(gshape: tuple[int, ...], offs: list[int], sizes: list[int]) -> torch.Tensor:
     m = torch.zeros(gshape, dtype=torch.bool)
-    m[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = True
+    m[tuple(slice(o, o + s) for o, s in zip(offs, sizes, strict=False))] = True
     return m
 
 
@@ -144,8 +144,8 @@ def test_chunk_overlap_matches_mask(case: tuple[tuple[int, ...], list[int], list
         return
     assert got is not None
     in_saved, in_want, lengths = got
-    glob = [o + r for o, r in zip(so, in_saved)]
-    assert glob == [o + r for o, r in zip(wo, in_want)]
+    glob = [o + r for o, r in zip(so, in_saved, strict=False)]
+    assert glob == [o + r for o, r in zip(wo, in_want, strict=False)]
     assert all(r >= 0 for r in in_saved + in_want) and all(n > 0 for n in lengths)
     assert torch.equal(_mask(gshape, glob, lengths), both)
 

@@ -53,7 +53,11 @@ def _blank(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _mismatches(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
@@ -71,8 +75,9 @@ def _mismatches(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
 
 def _save_both_then_load(rank: int, world: int, balanced_uri: str, stock_uri: str) -> dict[str, Any]:
-    import dcp_cloud
     from torch.distributed.checkpoint import DefaultSavePlanner
+
+    import dcp_cloud
 
     sd = _replicated_sd()
     out: dict[str, Any] = {}
@@ -116,8 +121,9 @@ def _dtensor_sd(mesh2: Any, mesh1: Any) -> dict[str, Any]:
 
 
 def _save_dtensor_replicated(rank: int, world: int, uri: str) -> dict[str, Any]:
-    import dcp_cloud
     from torch.distributed.device_mesh import init_device_mesh
+
+    import dcp_cloud
 
     mesh2 = init_device_mesh("cpu", (2, 2))
     mesh1 = init_device_mesh("cpu", (4,))
@@ -171,7 +177,9 @@ def _save_diverged(rank: int, world: int, uri_contents: str, uri_shape: str) -> 
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_balanced_save_spreads_replicated_bytes(s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any, tmp_path: Path) -> None:
+def test_balanced_save_spreads_replicated_bytes(
+    s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any, tmp_path: Path
+) -> None:
     balanced = f"s3://{s3_bucket}/balanced"
     stock = f"s3://{s3_bucket}/stock"
     results = run_ranks(4, _save_both_then_load, balanced, stock, env=s3_env)
@@ -192,8 +200,8 @@ def test_balanced_save_spreads_replicated_bytes(s3_bucket: str, s3_env: dict[str
     assert _load_check(0, 1, balanced) == []
 
     # stock FileSystemReader reads a plain download of the objects
-    from torch.distributed.checkpoint import FileSystemReader
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
     listing = moto_s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="balanced/")
     for obj in listing["Contents"]:
@@ -229,8 +237,9 @@ def test_diverged_replicas_fail_clearly(s3_bucket: str, s3_env: dict[str, str]) 
 
 
 def test_one_process_no_group_is_default_plan(s3_bucket: str) -> None:
-    import dcp_cloud
     import torch.distributed.checkpoint as dcp
+
+    import dcp_cloud
 
     sd = _replicated_sd()
     uri = f"s3://{s3_bucket}/single"
@@ -282,7 +291,7 @@ def test_balance_replicated_tiles_every_tensor_once(case: Any) -> None:
     plans, spl, min_chunk, tensors = case
     out = balance_replicated(plans, spl, min_chunk)
     assert len(out) == len(plans)
-    for r, (before, after) in enumerate(zip(plans, out)):
+    for _r, (before, after) in enumerate(zip(plans, out, strict=False)):
         assert [i for i in before.items if i.type == WriteItemType.BYTE_IO] == [
             i for i in after.items if i.type == WriteItemType.BYTE_IO
         ]
@@ -292,10 +301,10 @@ def test_balance_replicated_tiles_every_tensor_once(case: Any) -> None:
         assert {r for r, _ in pieces} <= set(holders)
         spans = sorted((i.tensor_data.chunk.offsets[0], i.tensor_data.chunk.sizes[0]) for _, i in pieces)
         assert spans[0][0] == 0
-        for (o1, s1), (o2, _) in zip(spans, spans[1:]):
+        for (o1, s1), (o2, _) in zip(spans, spans[1:], strict=False):
             assert o1 + s1 == o2
         assert spans[-1][0] + spans[-1][1] == rows
-        for r, i in pieces:
+        for _r, i in pieces:
             assert i.index == MetadataIndex(name, i.tensor_data.chunk.offsets)
             if len(pieces) > 1:
                 assert _nbytes(i) >= min_chunk
@@ -317,7 +326,10 @@ def _cols(plans: list[SavePlan], name: str) -> int:
 )
 @settings(max_examples=200, deadline=None)
 def test_balance_replicated_levels_loads(fixed: list[int], rows: int, cols: int, min_chunk: int) -> None:
-    """One tensor replicated everywhere on top of arbitrary per-rank loads: the peak is the water level plus a row and a min chunk."""
+    """One tensor replicated everywhere on top of arbitrary per-rank loads.
+
+    The peak is the water level plus a row and a min chunk.
+    """
     n = len(fixed)
     plans = []
     for r, load in enumerate(fixed):
@@ -338,7 +350,14 @@ def test_balance_replicated_levels_loads(fixed: list[int], rows: int, cols: int,
 def test_balance_replicated_is_deterministic_and_keeps_single_holders() -> None:
     sd = _replicated_sd()
     plans = [
-        SavePlan([_create_write_item_for_tensor(k, v) if isinstance(v, torch.Tensor) else _create_write_item_for_bytesio(k, v) for k, v in sd.items()])
+        SavePlan(
+            [
+                _create_write_item_for_tensor(k, v)
+                if isinstance(v, torch.Tensor)
+                else _create_write_item_for_bytesio(k, v)
+                for k, v in sd.items()
+            ]
+        )
         for _ in range(4)
     ]
     plans[2] = SavePlan([*plans[2].items, _create_write_item_for_tensor("only2", torch.empty(8))])

@@ -106,7 +106,7 @@ def test_coalesce_properties(ranges: list[ByteRange], max_gap: int, max_size: in
             assert {ranges[i].start for i in c.members} == {c.range.start}
 
     # Sorted and disjoint.
-    for a, b in zip(out, out[1:]):
+    for a, b in zip(out, out[1:], strict=False):
         assert a.range.end <= b.range.start
         assert a.range < b.range
 
@@ -125,7 +125,7 @@ def test_coalesce_properties(ranges: list[ByteRange], max_gap: int, max_size: in
                 assert _is_one_unit(ranges, [i for i in c.members if ranges[i].length])
 
     # max_gap: spans this close were kept apart only by max_size.
-    for a, b in zip(nonempty_spans, nonempty_spans[1:]):
+    for a, b in zip(nonempty_spans, nonempty_spans[1:], strict=False):
         if b.range.start - a.range.end <= max_gap:
             assert max_size is not None
             first_unit_end = _unit_end(ranges, [i for i in b.members if ranges[i].length])
@@ -191,7 +191,7 @@ def test_split_covers_exactly(r: ByteRange, chunk: int) -> None:
         assert pieces == []
         return
     assert pieces[0].start == r.start and pieces[-1].end == r.end
-    for a, b in zip(pieces, pieces[1:]):
+    for a, b in zip(pieces, pieces[1:], strict=False):
         assert a.end == b.start
     assert all(0 < p.length <= chunk for p in pieces)
     assert all(p.length == chunk for p in pieces[:-1])

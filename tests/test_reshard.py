@@ -37,6 +37,7 @@ def _coalesced_bound(segment_bytes: int, pieces: int) -> float:
     """Most bytes a default load may fetch for ``segment_bytes`` of segments from ``pieces`` saved chunks."""
     return segment_bytes * (1 + RATIO) + FRAMING_GAP * pieces
 
+
 # name -> (shape, dim it is sharded on) of the checkpoints saved in this module
 TWO_RANK = {"a": ((4096, 512), 0), "b": ((1000, 300), 0), "c": ((100_003,), 0)}
 FOUR_RANK = {
@@ -54,10 +55,16 @@ def _full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
-def _dtensors(spec: dict[str, tuple[tuple[int, ...], int]], mesh: Any, *, zeros: bool, dim: int | None = None) -> dict[str, Any]:
+def _dtensors(
+    spec: dict[str, tuple[tuple[int, ...], int]], mesh: Any, *, zeros: bool, dim: int | None = None
+) -> dict[str, Any]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = {}
@@ -70,7 +77,9 @@ def _dtensors(spec: dict[str, tuple[tuple[int, ...], int]], mesh: Any, *, zeros:
 def _needed(sd: dict[str, Any]) -> int:
     from torch.distributed.tensor import DTensor
 
-    return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in sd.values() if isinstance(v, torch.Tensor))
+    return sum(
+        (v.to_local() if isinstance(v, DTensor) else v).nbytes for v in sd.values() if isinstance(v, torch.Tensor)
+    )
 
 
 # -------------------------------------------------------------------------- rank bodies (module level: spawned)
@@ -135,7 +144,9 @@ def _upload_dir(client: Any, bucket: str, prefix: str, local: Path) -> None:
         client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
 
 
-def _plain_targets(spec: dict[str, tuple[tuple[int, ...], int]], dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, torch.Tensor]:
+def _plain_targets(
+    spec: dict[str, tuple[tuple[int, ...], int]], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     return {k: torch.zeros(shape, dtype=dtype, device=device) for k, (shape, _) in spec.items()}
 
 
@@ -171,7 +182,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, moto_server: Any, moto
     run_ranks(2, _save_two, f"s3://{bucket}/two", str(stock_dir), env=env)
     _upload_dir(moto_s3_client, bucket, "stock-two", stock_dir)
     run_ranks(4, _save_four, f"s3://{bucket}/four", env=env)
-    return {"bucket": bucket, "env": env, "two": f"s3://{bucket}/two", "stock": f"s3://{bucket}/stock-two", "four": f"s3://{bucket}/four"}
+    return {
+        "bucket": bucket,
+        "env": env,
+        "two": f"s3://{bucket}/two",
+        "stock": f"s3://{bucket}/stock-two",
+        "four": f"s3://{bucket}/four",
+    }
 
 
 @pytest.fixture
@@ -310,7 +327,10 @@ def test_float32_checkpoint_into_bfloat16(checkpoints: dict[str, Any], in_proces
     assert f32 <= reader.stats.bytes_read <= f32 + FRAMING_GAP * 4 * len(spec)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: loads into CUDA tensors go through a CPU buffer and one copy_")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device: loads into CUDA tensors go through a CPU buffer and one copy_",
+)
 def test_load_into_cuda_tensors_copies_once(checkpoints: dict[str, Any], in_process_env: None) -> None:
     import dcp_cloud
 

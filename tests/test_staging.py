@@ -88,7 +88,13 @@ def test_budget_opt_out_and_free() -> None:
 
 def test_values_other_than_tensors() -> None:
     buf = io.BytesIO(b"abc")
-    state = {"step": 3, "name": "x", "nested": [torch.ones(2), {"b": buf}], "empty": torch.empty(0), "s": torch.tensor(7)}
+    state = {
+        "step": 3,
+        "name": "x",
+        "nested": [torch.ones(2), {"b": buf}],
+        "empty": torch.empty(0),
+        "s": torch.tensor(7),
+    }
     staged, lease = stage(state, StagingConfig())
     buf.write(b"zzz")
     assert staged["step"] == 3 and staged["name"] == "x"

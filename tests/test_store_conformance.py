@@ -52,7 +52,9 @@ def test_local_missing_root(tmp_path) -> None:
         LocalStore(tmp_path / "file").check_bucket()
 
 
-@pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", "dir/", ".dcp_cloud_uploads/x", "a/.dcp_cloud-tmp-1"])
+@pytest.mark.parametrize(
+    "key", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", "dir/", ".dcp_cloud_uploads/x", "a/.dcp_cloud-tmp-1"]
+)
 def test_local_rejects_keys_outside_the_root_or_reserved(tmp_path, key: str) -> None:
     with pytest.raises(StoreError):
         LocalStore(tmp_path).put(key, b"x")

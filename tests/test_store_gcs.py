@@ -282,8 +282,13 @@ def test_failure_in_final_compose(gcs_store: GCSStore, monkeypatch: pytest.Monke
     upload_id, parts = upload_parts(gcs_store, "k2", data, 100)
     failure.append(api_exceptions.Forbidden("injected"))
     composed.clear()
-    monkeypatch.setattr(GCSStore, "_compose", lambda self, dest, sources, create_only=False: flaky(
-        self, "k" if dest == "k2" else dest, sources, create_only=create_only))
+    monkeypatch.setattr(
+        GCSStore,
+        "_compose",
+        lambda self, dest, sources, create_only=False: flaky(
+            self, "k" if dest == "k2" else dest, sources, create_only=create_only
+        ),
+    )
     with pytest.raises(AccessDeniedError):
         gcs_store.complete_multipart("k2", upload_id, parts)
     assert temporaries(gcs_store) == []
@@ -317,7 +322,9 @@ def test_retried_complete_does_not_redo_finished_intermediates(
     assert gcs_store.get("k") == data and temporaries(gcs_store) == []
 
 
-def test_intermediates_of_re_uploaded_parts_are_not_reused(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_intermediates_of_re_uploaded_parts_are_not_reused(
+    gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A part re-uploaded between two completes changes its generation, hence its intermediate's name."""
     data = bytearray(os.urandom(40 * 50))
     upload_id, parts = upload_parts(gcs_store, "k", bytes(data), 50)
@@ -517,6 +524,7 @@ def test_empty_media_upload(gcs_store: GCSStore) -> None:
 def test_no_library_retries(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
     gcs_store.put("k", b"0123456789")
     upload_id, parts = upload_parts(gcs_store, "m", b"abcdef", 2)
+
     def targeted(method: str, url: str) -> bool:
         return "/compose" in url or "/upload/" in url or "/o/k" in url
 
@@ -695,9 +703,7 @@ def test_pickled_store_works_in_a_fresh_process(gcs_store: GCSStore) -> None:
         "store = pickle.loads(sys.stdin.buffer.read())\n"
         "store.put('from-child', b'written by a child process')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(gcs_store), capture_output=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(gcs_store), capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
     assert gcs_store.get("from-child") == b"written by a child process"
 
@@ -742,7 +748,7 @@ def test_emulator_process_is_gone_after_stop() -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(RuntimeError, match="not running"):
-        emulator.endpoint
+        _ = emulator.endpoint
     emulator.stop()  # idempotent
 
 
@@ -812,4 +818,3 @@ def test_emulator_failure_shows_log(tmp_path) -> None:
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="cannot bind"):
         GCSEmulator(binary=fake, port=1).start()
-

@@ -150,15 +150,25 @@ def test_config_rejects_credentials_in_endpoint_without_echoing_them() -> None:
 
 
 def test_config_accepts_ordinary_values() -> None:
-    config = S3Config(endpoint_url="https://s3.example.com:8443/base", region="eu-west-3", profile="dev",
-                      addressing_style="path", transport_checksums=False)
+    config = S3Config(
+        endpoint_url="https://s3.example.com:8443/base",
+        region="eu-west-3",
+        profile="dev",
+        addressing_style="path",
+        transport_checksums=False,
+    )
     assert config.addressing_style == "path"
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"bucket": ""}, {"bucket": "a/b"}, {"request_timeout": 0}, {"max_connections": 0},
-     {"limits": MOTO_PART_LIMITS.__class__(10, 5, 1)}],
+    [
+        {"bucket": ""},
+        {"bucket": "a/b"},
+        {"request_timeout": 0},
+        {"max_connections": 0},
+        {"limits": MOTO_PART_LIMITS.__class__(10, 5, 1)},
+    ],
 )
 def test_store_validation(kwargs: dict[str, Any]) -> None:
     args = {"bucket": "bkt", **kwargs}
@@ -229,7 +239,9 @@ def test_region_from_aws_region(s3_env: dict[str, str], monkeypatch: pytest.Monk
     assert S3Store("bkt", S3Config(region="ca-central-1"))._client().meta.region_name == "ca-central-1"
 
 
-def test_explicit_endpoint_beats_environment(s3_bucket: str, moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explicit_endpoint_beats_environment(
+    s3_bucket: str, moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     store = S3Store(s3_bucket, S3Config(endpoint_url=moto_server.endpoint_url))
     store.put("k", b"explicit")
@@ -359,7 +371,9 @@ def test_list_paginates(s3_store: S3Store) -> None:
     assert sorted(u.upload_id for u in s3_store.list_multipart("u/")) == sorted(ids)
 
 
-def test_read_streams_into_the_buffers_without_urllib3_copies(s3_store: S3Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_streams_into_the_buffers_without_urllib3_copies(
+    s3_store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import urllib3.response
 
     def forbidden(self: Any, b: Any) -> int:
@@ -406,8 +420,12 @@ def auth_server() -> Iterator[tuple[MotoServer, dict[str, str], str]]:
 
 
 @pytest.mark.parametrize("wrong", ["key id", "secret"])
-def test_wrong_credentials(auth_server: tuple[MotoServer, dict[str, str], str], s3_env: dict[str, str],
-                           monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+def test_wrong_credentials(
+    auth_server: tuple[MotoServer, dict[str, str], str],
+    s3_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    wrong: str,
+) -> None:
     server, env, bucket = auth_server
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -428,12 +446,17 @@ def test_wrong_credentials(auth_server: tuple[MotoServer, dict[str, str], str], 
         store.check_bucket()
 
 
-def test_credentials_from_a_named_profile(auth_server: tuple[MotoServer, dict[str, str], str],
-                                          s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_credentials_from_a_named_profile(
+    auth_server: tuple[MotoServer, dict[str, str], str],
+    s3_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path,
+) -> None:
     server, env, bucket = auth_server
     credentials = tmp_path / "credentials"
     credentials.write_text(
-        f"[good]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n"
+        f"[good]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n"
         f"[bad]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {SECRET}\n"
     )
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
@@ -495,8 +518,11 @@ class FakeS3:
         self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def store(self, request_timeout: float = 5.0) -> S3Store:
-        return S3Store("bkt", S3Config(endpoint_url=self.endpoint_url, region="us-east-1", addressing_style="path"),
-                       request_timeout=request_timeout)
+        return S3Store(
+            "bkt",
+            S3Config(endpoint_url=self.endpoint_url, region="us-east-1", addressing_style="path"),
+            request_timeout=request_timeout,
+        )
 
     def close(self) -> None:
         self.server.shutdown()
@@ -512,8 +538,15 @@ def fake_s3(s3_env: dict[str, str]) -> Iterator[FakeS3]:
         fake.close()
 
 
-def _ranged(body: bytes, *, status: int = 206, content_range: str | None, length: int | None = None,
-            delay_body: float = 0.0, keep_alive: bool = False) -> Callable[[BaseHTTPRequestHandler], None]:
+def _ranged(
+    body: bytes,
+    *,
+    status: int = 206,
+    content_range: str | None,
+    length: int | None = None,
+    delay_body: float = 0.0,
+    keep_alive: bool = False,
+) -> Callable[[BaseHTTPRequestHandler], None]:
     def respond(h: BaseHTTPRequestHandler) -> None:
         h.send_response(status)
         if content_range:
@@ -587,9 +620,14 @@ def test_range_ignored_by_server_still_reads_the_right_bytes(fake_s3: FakeS3) ->
 
 @pytest.mark.parametrize(
     ("status", "code", "expected"),
-    [(503, "SlowDown", TransientStoreError), (500, "InternalError", TransientStoreError),
-     (429, "TooManyRequests", TransientStoreError), (416, "InvalidRange", CorruptCheckpointError),
-     (403, "AccessDenied", AccessDeniedError), (404, "NoSuchBucket", BucketNotFoundError)],
+    [
+        (503, "SlowDown", TransientStoreError),
+        (500, "InternalError", TransientStoreError),
+        (429, "TooManyRequests", TransientStoreError),
+        (416, "InvalidRange", CorruptCheckpointError),
+        (403, "AccessDenied", AccessDeniedError),
+        (404, "NoSuchBucket", BucketNotFoundError),
+    ],
 )
 def test_http_errors_through_botocore(fake_s3: FakeS3, status: int, code: str, expected: type) -> None:
     fake_s3.respond = _error(status, code)
@@ -652,8 +690,9 @@ def test_moto_env(moto_server: MotoServer) -> None:
     assert env["AWS_ENDPOINT_URL"] == moto_server.endpoint_url
     assert env["AWS_REGION"] == "us-east-1"
     assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
-    full = moto_env(moto_server, base={"PATH": "/bin", "AWS_PROFILE": "prod", "AWS_SESSION_TOKEN": "t",
-                                       "no_proxy": "corp.example"})
+    full = moto_env(
+        moto_server, base={"PATH": "/bin", "AWS_PROFILE": "prod", "AWS_SESSION_TOKEN": "t", "no_proxy": "corp.example"}
+    )
     assert full["PATH"] == "/bin" and "AWS_PROFILE" not in full and "AWS_SESSION_TOKEN" not in full
     assert full["NO_PROXY"] == full["no_proxy"] == "corp.example,127.0.0.1"
 

@@ -257,10 +257,12 @@ def _table(rows: list[tuple[str, int, list[dict[str, Any]]]]) -> str:
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    )
+
+    def row(line: list[str]) -> str:
+        cells = zip(line, widths, strict=True)
+        return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(cells))
+
+    return "\n".join(row(line) for line in lines)
 
 
 @contextlib.contextmanager

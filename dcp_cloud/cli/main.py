@@ -94,13 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = commands.add_parser(
-        "ls", parents=[store], help="list the checkpoints under a prefix", description="List the checkpoints "
-        "(committed or not) under URI, with their size and commit time."
+        "ls",
+        parents=[store],
+        help="list the checkpoints under a prefix",
+        description="List the checkpoints (committed or not) under URI, with their size and commit time.",
     )
     ls.add_argument("uri", metavar="URI", help="root prefix, e.g. s3://bucket/run-7 (or a whole bucket)")
 
     verify = commands.add_parser(
-        "verify", parents=[store], help="read a checkpoint and check its checksums",
+        "verify",
+        parents=[store],
+        help="read a checkpoint and check its checksums",
         description="Read every item of the committed checkpoint at URI and check the CRC32C checksums "
         "recorded at save time. Stops at the first mismatch (exit 1). Items saved without checksums "
         "are counted as unverified.",
@@ -108,20 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("uri", metavar="URI", help="checkpoint, e.g. s3://bucket/run-7/step-1000")
 
     gc = commands.add_parser(
-        "gc", parents=[store], help="remove what failed saves left behind",
+        "gc",
+        parents=[store],
+        help="remove what failed saves left behind",
         description="Abort stale multipart uploads, delete the shards of saves that never committed and "
         "shards of committed checkpoints that their metadata does not reference. Never touches "
         ".metadata, anything committed metadata references, or anything newer than --older-than.",
     )
     gc.add_argument("uri", metavar="URI", help="root prefix, e.g. s3://bucket/run-7")
     gc.add_argument(
-        "--older-than", type=_seconds, default=3600.0, metavar="SECONDS",
+        "--older-than",
+        type=_seconds,
+        default=3600.0,
+        metavar="SECONDS",
         help="only remove what is older than this; must exceed your longest save (default: 3600)",
     )
     gc.add_argument("--dry-run", action="store_true", help="report what would be removed, change nothing")
 
     demo = commands.add_parser(
-        "demo", help="save on N ranks and load on M ranks against an embedded server",
+        "demo",
+        help="save on N ranks and load on M ranks against an embedded server",
         description="Start an embedded S3 (moto) or GCS (fake-gcs-server) server on 127.0.0.1, train a small "
         "FSDP2-sharded model on N CPU ranks, save it with model and Adam state, load it on M ranks and "
         "check it is bitwise equal. Needs no cloud account; prints a table of bytes, time, memory and requests.",
@@ -130,9 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--save-ranks", type=_positive_int, default=4, metavar="N", help="ranks that save (default: 4)")
     demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="M", help="ranks that load (default: 3)")
     demo.add_argument("--steps", type=_non_negative_int, default=2, metavar="K", help="training steps (default: 2)")
-    demo.add_argument(
-        "--size-mb", type=_size_mb, default=1.0, metavar="MB", help="model parameters in MB (default: 1)"
-    )
+    demo.add_argument("--size-mb", type=_size_mb, default=1.0, metavar="MB", help="model parameters in MB (default: 1)")
     demo.add_argument("-v", "--verbose", action="store_true", help="log what dcp_cloud does (INFO) to stderr")
     return parser
 
@@ -141,7 +149,10 @@ def _store_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Store options for the URI's scheme; options of another store are a usage error."""
     scheme = args.uri.split("://", 1)[0].lower() if "://" in args.uri else ""
     given = {name: getattr(args, name) for name in ("endpoint", "region", "project") if getattr(args, name)}
-    accepted = {"s3": {"endpoint": "endpoint_url", "region": "region"}, "gs": {"endpoint": "endpoint", "project": "project"}}
+    accepted = {
+        "s3": {"endpoint": "endpoint_url", "region": "region"},
+        "gs": {"endpoint": "endpoint", "project": "project"},
+    }
     mapping = accepted.get(scheme, {})
     wrong = [f"--{name}" for name in given if name not in mapping]
     if wrong:
@@ -184,9 +195,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
-        print(
-            f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}"
-        )
+        print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
     partial = sum(1 for info in found if not info.committed)
     if partial:
         print(f"{partial} partial checkpoint(s): saves that never committed (or are still running); see `{PROG} gc`")

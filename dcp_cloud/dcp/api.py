@@ -151,7 +151,7 @@ class GCSReader(CloudReader):
 
 
 class LocalWriter(CloudWriter):
-    """Save to a directory (``file:///dir`` or a plain path, as stock FileSystemWriter takes) through the same engine."""
+    """Save to a directory (``file:///dir``, or a plain path as stock FileSystemWriter takes) through the engine."""
 
     def __init__(
         self,

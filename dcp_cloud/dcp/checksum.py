@@ -99,7 +99,7 @@ def bad_blocks(
                 return []
             return [
                 (offset + i * block_size, min(offset + (i + 1) * block_size, end))
-                for i, (g, w) in enumerate(zip(got, want))
+                for i, (g, w) in enumerate(zip(got, want, strict=False))
                 if g != w
             ]
     return [

@@ -60,7 +60,7 @@ def plan_spans(
     breaks = np.nonzero(starts[1:] > ends[:-1] + gap)[0] + 1
     firsts = np.concatenate(([0], breaks))
     lasts = np.concatenate((breaks, [len(src)]))
-    return [(int(starts[f]), int(ends[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts)]
+    return [(int(starts[f]), int(ends[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts, strict=False)]
 
 
 @dataclass(frozen=True, slots=True)

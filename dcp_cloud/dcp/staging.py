@@ -111,7 +111,7 @@ class Arena:
 
     def views(self) -> list[torch.Tensor]:
         """One byte view per tensor, in order."""
-        return [self.slabs[s].narrow(0, off, size) for (s, off), size in zip(self.places, self.sizes)]
+        return [self.slabs[s].narrow(0, off, size) for (s, off), size in zip(self.places, self.sizes, strict=False)]
 
     def pin_in_background(self) -> None:
         """Page-lock every slab from a background thread (the next save copies into pinned memory)."""
@@ -124,7 +124,9 @@ class Arena:
                     _pin(slab)
                 self.pinned = True
             except Exception as exc:  # noqa: BLE001 - pageable memory still works, only slower
-                log.warning("could not page-lock %d bytes of staging buffers (%s); staging stays pageable", self.nbytes, exc)
+                log.warning(
+                    "could not page-lock %d bytes of staging buffers (%s); staging stays pageable", self.nbytes, exc
+                )
 
         self._pinning = threading.Thread(target=pin_all, name="dcp_cloud-pin", daemon=True)
         self._pinning.start()
@@ -297,7 +299,7 @@ def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, 
     try:
         dests = [
             view.view(src.dtype).view(src.shape) if src.numel() else torch.empty(src.shape, dtype=src.dtype)
-            for view, src in zip(arena.views(), sources)
+            for view, src in zip(arena.views(), sources, strict=False)
         ]
         _copy_all(sources, dests)
         order = iter(dests)

@@ -354,7 +354,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)
-        return [dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token))) for i, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token))) for i, plan in enumerate(plans)
+        ]
 
     # -- data -------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -443,7 +445,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             # torch's zip writer turns an exception of write() into its own
             # RuntimeError ("unexpected pos ..."): surface the store's typed error.
             if tap.error is not None:
-                raise tap.error
+                raise tap.error from None
             raise
         tap.finish()
         if tap.raw_offset is None and tensor.nbytes == 0:

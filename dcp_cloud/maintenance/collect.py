@@ -48,11 +48,7 @@ def _local_upload_scopes(root: _Root) -> list[tuple[ObjectStore, str, str]]:
 
 
 def _pending_uploads(root: _Root) -> list[_Upload]:
-    scopes = (
-        _local_upload_scopes(root)
-        if root.scheme == "file"
-        else [(root.store, root.list_prefix(), "")]
-    )
+    scopes = _local_upload_scopes(root) if root.scheme == "file" else [(root.store, root.list_prefix(), "")]
     found = []
     for store, prefix, key_base in scopes:
         for upload in store.list_multipart(prefix):

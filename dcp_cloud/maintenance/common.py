@@ -168,7 +168,9 @@ def _open(
     if store is not None:
         if parsed.bucket != store.bucket:
             raise ConfigError(f"{uri!r} names bucket {parsed.bucket!r} but store= is bound to {store.bucket!r}")
-        return _Root(parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(store, retry), store, transfer, retry, False)
+        return _Root(
+            parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(store, retry), store, transfer, retry, False
+        )
     if parsed.scheme == "s3":
         backend: Any = _s3_backend(
             store_kwargs.get("endpoint_url"),

@@ -93,7 +93,9 @@ def verify(
         for index, info in metadata.storage_data.items():
             relative = getattr(info, "relative_path", None)
             if not isinstance(relative, str):
-                raise CorruptCheckpointError(f"{root.url(meta_key)}: the storage record of {index.fqn!r} names no object")
+                raise CorruptCheckpointError(
+                    f"{root.url(meta_key)}: the storage record of {index.fqn!r} names no object"
+                )
             key = f"{root.prefix}/{relative}"
             needed[key] = max(needed[key], int(info.offset) + int(info.length))
             extras = extras_of(info)
@@ -104,12 +106,18 @@ def verify(
             base = int(info.offset) + (extras.raw_offset or 0)
             block = extras.block_size
             chunk = max(block, (chunk_target // block) * block)
-            what = f"{index.fqn!r}{'' if index.offset is None else f' (chunk at {list(index.offset)})'} in {root.url(key)}"
+            what = (
+                f"{index.fqn!r}{'' if index.offset is None else f' (chunk at {list(index.offset)})'} in {root.url(key)}"
+            )
 
             def check(region_offset: int, data: memoryview, extras=extras, what=what, base=base) -> None:
                 verify_blocks(
-                    [(region_offset, data)], extras.block_size, extras.checked_length, extras.crcs,
-                    describe=what, base_offset=base,
+                    [(region_offset, data)],
+                    extras.block_size,
+                    extras.checked_length,
+                    extras.crcs,
+                    describe=what,
+                    base_offset=base,
                 )
 
             for off in range(0, extras.checked_length, chunk):

@@ -32,7 +32,7 @@ def _validate_box(chunk_shape: Sequence[int], elem_size: int, offsets: Sequence[
     if not len(chunk_shape) == len(offsets) == len(lengths):
         ranks = (len(chunk_shape), len(offsets), len(lengths))
         raise ValueError(f"shape, offsets and lengths must have the same rank, got {ranks}")
-    for d, (size, off, n) in enumerate(zip(chunk_shape, offsets, lengths)):
+    for d, (size, off, n) in enumerate(zip(chunk_shape, offsets, lengths, strict=False)):
         if size < 0 or off < 0 or n < 0 or off + n > size:
             raise ValueError(f"dim {d}: box [{off}, {off + n}) is not inside [0, {size})")
 
@@ -69,7 +69,7 @@ def box_byte_run_array(
         return np.zeros(1, dtype=np.int64), box_bytes(chunk_shape, elem_size)
     k = cut[-1]
     run_nbytes = lengths[k] * strides[k]
-    base = sum(off * st for off, st in zip(offsets, strides))
+    base = sum(off * st for off, st in zip(offsets, strides, strict=False))
     src = np.array([base], dtype=np.int64)
     for d in range(k):
         if lengths[d] > 1:
@@ -106,7 +106,7 @@ def box_byte_runs(
     n = len(src)
     if n == 0:
         return []
-    return list(zip(src.tolist(), range(0, n * nbytes, nbytes), itertools.repeat(nbytes, n)))
+    return list(zip(src.tolist(), range(0, n * nbytes, nbytes), itertools.repeat(nbytes, n), strict=False))
 
 
 def chunk_overlap(
@@ -132,7 +132,7 @@ def chunk_overlap(
     in_saved: list[int] = []
     in_want: list[int] = []
     lengths: list[int] = []
-    for so, ss, wo, ws in zip(saved_offsets, saved_sizes, want_offsets, want_sizes):
+    for so, ss, wo, ws in zip(saved_offsets, saved_sizes, want_offsets, want_sizes, strict=False):
         lo = max(so, wo)
         hi = min(so + ss, wo + ws)
         if hi <= lo:

@@ -248,7 +248,7 @@ def balance_replicated(
             loads[owner] += _nbytes(item)
             continue
         start = 0
-        for r, count in zip(ranks, counts):
+        for r, count in zip(ranks, counts, strict=False):
             if count:
                 keep[r].setdefault(key, []).append(_piece(item, start, count))
                 loads[r] += count * row_bytes

@@ -477,7 +477,9 @@ class LocalStore:
             ids = os.listdir(uploads)
         except FileNotFoundError:
             if not self.root.is_dir():
-                raise BucketNotFoundError(f"directory {self.bucket} does not exist: create it or fix the path") from None
+                raise BucketNotFoundError(
+                    f"directory {self.bucket} does not exist: create it or fix the path"
+                ) from None
             return []
         found = []
         for upload_id in ids:

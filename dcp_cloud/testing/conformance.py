@@ -84,7 +84,9 @@ class ObjectStoreConformance:
         assert store.head("empty").size == 0
         store.read_into("empty", 0, [memoryview(bytearray(0))])
 
-    @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview-slice", "memoryview-int32", "memoryview-strided"])
+    @pytest.mark.parametrize(
+        "kind", ["bytes", "bytearray", "memoryview-slice", "memoryview-int32", "memoryview-strided"]
+    )
     def test_put_buffer_types(self, store: ObjectStore, kind: str) -> None:
         raw = _blob(8192, 2)
         if kind == "bytes":

@@ -291,8 +291,8 @@ def moto_env(server: MotoServer, base: Mapping[str, str] | None = None) -> dict[
     """Environment variables that point boto3 in a (child) process at ``server``.
 
     Without ``base``: just the variables to set (endpoint, fake credentials,
-    region, ``NO_PROXY`` extended with the server's host). With ``base`` (e.g. ``os.environ``): a full environment, a copy of
-    ``base`` with those set and with variables that would override them
+    region, ``NO_PROXY`` extended with the server's host). With ``base`` (e.g. ``os.environ``): a full
+    environment, a copy of ``base`` with those set and with variables that would override them
     (``AWS_PROFILE``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3``...) removed.
     """
     source = os.environ if base is None else base
@@ -319,4 +319,11 @@ def moto_env(server: MotoServer, base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
-__all__ = ["DEFAULT_REGION", "FAKE_ACCESS_KEY_ID", "FAKE_SECRET_ACCESS_KEY", "MotoServer", "MotoServerError", "moto_env"]
+__all__ = [
+    "DEFAULT_REGION",
+    "FAKE_ACCESS_KEY_ID",
+    "FAKE_SECRET_ACCESS_KEY",
+    "MotoServer",
+    "MotoServerError",
+    "moto_env",
+]

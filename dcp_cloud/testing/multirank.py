@@ -114,9 +114,7 @@ def _child_main(
         if port is not None:
             import torch.distributed as dist
 
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-            )
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         phase = "run"
         fn, args = pickle.loads(payload)
         result = fn(rank, world_size, *args) if port is not None else fn(*args)

@@ -4,5 +4,5 @@ Installed with dcp_cloud, so a user's own test suite gets ``moto_server``,
 ``s3_bucket``, ``gcs_emulator``, ``gcs_bucket`` ... with no conftest code.
 """
 
-from .s3_fixtures import *  # noqa: F401,F403
 from .gcs_fixtures import *  # noqa: F401,F403
+from .s3_fixtures import *  # noqa: F401,F403

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 
 from ..store.protocol import PartLimits
-from .moto_server import _CONFLICTING_ENV, DEFAULT_REGION, FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, MotoServer, moto_env
+from .moto_server import (
+    _CONFLICTING_ENV,
+    DEFAULT_REGION,
+    FAKE_ACCESS_KEY_ID,
+    FAKE_SECRET_ACCESS_KEY,
+    MotoServer,
+    moto_env,
+)
 
 #: Smallest multipart part the ``moto_server`` fixture accepts (S3's is 5 MiB).
 MOTO_MIN_PART_SIZE = 256 * 1024

@@ -278,4 +278,3 @@ def open_writer(
 ) -> ObjectWriter:
     """A stream that uploads ``key`` through ``engine``; ``size_hint`` lets huge objects get bigger parts."""
     return ObjectWriter(engine, key, engine.part_size_for(size_hint), create_only=create_only)
-

@@ -108,8 +108,7 @@ def _translate(exc: BaseException, bucket: str, key: str | None, *, missing: str
         return ObjectNotFoundError(f"{where} does not exist ({detail})")
     if status == 412:
         return PreconditionFailedError(
-            f"{where} already exists or was changed by another writer ({detail}); "
-            "refusing to overwrite it"
+            f"{where} already exists or was changed by another writer ({detail}); refusing to overwrite it"
         )
     if status == 416:
         return CorruptCheckpointError(

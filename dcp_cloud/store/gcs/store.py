@@ -200,9 +200,7 @@ class GCSStore(_CompositeUploads):
             if type(session.adapters.get(prefix)) is requests.adapters.HTTPAdapter:
                 session.mount(
                     prefix,
-                    requests.adapters.HTTPAdapter(
-                        pool_connections=4, pool_maxsize=self.max_connections, max_retries=0
-                    ),
+                    requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.max_connections, max_retries=0),
                 )
         return client
 
@@ -234,9 +232,7 @@ class GCSStore(_CompositeUploads):
         if self._bucket_seen:
             return True
         try:
-            for _ in self._client_().list_blobs(
-                self.bucket, max_results=1, retry=None, timeout=self.request_timeout
-            ):
+            for _ in self._client_().list_blobs(self.bucket, max_results=1, retry=None, timeout=self.request_timeout):
                 break
         except Exception as exc:  # noqa: BLE001 - any other answer leaves the 404 as it was
             return not isinstance(_translate(exc, self.bucket, None, missing="bucket"), BucketNotFoundError)
@@ -273,9 +269,7 @@ class GCSStore(_CompositeUploads):
 
     def check_bucket(self) -> None:
         try:
-            for _ in self._client_().list_blobs(
-                self.bucket, max_results=1, retry=None, timeout=self.request_timeout
-            ):
+            for _ in self._client_().list_blobs(self.bucket, max_results=1, retry=None, timeout=self.request_timeout):
                 break
         except Exception as exc:
             raise _translate(exc, self.bucket, None, missing="bucket") from exc
@@ -299,7 +293,10 @@ class GCSStore(_CompositeUploads):
     def _upload_media(
         self, name: str, views: list[memoryview], *, create_only: bool, checksum_b64: str | None
     ) -> ObjectInfo:
-        """One JSON-API ``uploadType=media`` POST whose body is ``views`` themselves (never copied). Errors untranslated."""
+        """One JSON-API ``uploadType=media`` POST whose body is ``views`` themselves (never copied).
+
+        Errors are raised untranslated.
+        """
         from google.api_core import exceptions as api_exceptions
 
         client = self._client_()
@@ -432,10 +429,9 @@ class GCSStore(_CompositeUploads):
 
     def _iter_blobs(self, prefix: str) -> Iterator[storage.Blob]:
         try:
-            for blob in self._client_().list_blobs(
+            yield from self._client_().list_blobs(
                 self.bucket, prefix=prefix or None, retry=None, timeout=self.request_timeout
-            ):
-                yield blob
+            )
         except Exception as exc:
             raise _translate(exc, self.bucket, prefix, missing="bucket") from exc
 

@@ -55,8 +55,7 @@ class S3Config:
             parts = urlsplit(self.endpoint_url)
             _require(
                 parts.scheme in ("http", "https") and bool(parts.hostname),
-                "endpoint_url must look like http(s)://host[:port], got a value without "
-                "an http/https scheme or a host",
+                "endpoint_url must look like http(s)://host[:port], got a value without an http/https scheme or a host",
             )
             # Never echo the URL here: it may be the one carrying a secret.
             _require(

@@ -56,7 +56,9 @@ _TRANSIENT_CODES = frozenset(
 )
 _TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 _RANGE_CODES = frozenset({"InvalidRange", "416"})
-_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "301"})
+_REGION_CODES = frozenset(
+    {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "301"}
+)
 
 
 def _s3_url(bucket: str, key: str | None) -> str:
@@ -126,8 +128,7 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
             return ObjectNotFoundError(f"{where} does not exist ({detail})")
         if code in _PRECONDITION_CODES or status == 412:
             return PreconditionFailedError(
-                f"{where} already exists or was changed by a concurrent writer ({detail}); "
-                "nothing was overwritten"
+                f"{where} already exists or was changed by a concurrent writer ({detail}); nothing was overwritten"
             )
         if code in _RANGE_CODES or status == 416:
             return CorruptCheckpointError(

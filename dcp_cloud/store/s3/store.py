@@ -187,7 +187,9 @@ class S3Store:
         # botocore reads AWS_DEFAULT_REGION and the profile but not AWS_REGION,
         # which the other AWS SDKs give precedence; honour it the same way.
         region = self.config.region or os.environ.get("AWS_REGION") or None
-        return session.create_client("s3", region_name=region, endpoint_url=self.config.endpoint_url, config=boto_config)
+        return session.create_client(
+            "s3", region_name=region, endpoint_url=self.config.endpoint_url, config=boto_config
+        )
 
     def _client(self) -> Any:
         pid = os.getpid()
@@ -264,7 +266,9 @@ class S3Store:
         if start < 0:
             raise CorruptCheckpointError(f"{self.url(key)}: negative read offset {start}")
         try:
-            response = self._client().get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}")
+            response = self._client().get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}"
+            )
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
         raw = response["Body"]._raw_stream
@@ -307,9 +311,7 @@ class S3Store:
                 "(the object is truncated or does not belong to this checkpoint)"
             )
         if first != start or length < total:
-            raise StoreError(
-                f"S3 answered a read of bytes {start}..{end} of {self.url(key)} with {content_range!r}"
-            )
+            raise StoreError(f"S3 answered a read of bytes {start}..{end} of {self.url(key)} with {content_range!r}")
         return 0
 
     def _fill(self, raw: Any, key: str, skip: int, views: list[memoryview]) -> None:
@@ -361,8 +363,10 @@ class S3Store:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         try:
-            pages = self._client().get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size}
+            pages = (
+                self._client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
             )
             for page in pages:
                 for item in page.get("Contents", ()):
@@ -389,7 +393,9 @@ class S3Store:
                     continue
                 from botocore.exceptions import ClientError
 
-                cause = ClientError({"Error": {"Code": err.get("Code"), "Message": err.get("Message")}}, "DeleteObjects")
+                cause = ClientError(
+                    {"Error": {"Code": err.get("Code"), "Message": err.get("Message")}}, "DeleteObjects"
+                )
                 raise self._fail(cause, err.get("Key"), "delete") from cause
 
     def create_multipart(self, key: str) -> str:
@@ -467,8 +473,10 @@ class S3Store:
     def list_multipart(self, prefix: str) -> list[PendingUpload]:
         found: list[PendingUpload] = []
         try:
-            pages = self._client().get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size}
+            pages = (
+                self._client()
+                .get_paginator("list_multipart_uploads")
+                .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
             )
             for page in pages:
                 for item in page.get("Uploads", ()):
@@ -476,4 +484,3 @@ class S3Store:
         except Exception as exc:
             raise self._fail(exc, prefix, "list the uploads under") from exc
         return found
-

@@ -3,6 +3,7 @@ the injected error answers, and :class:`FaultEvent`."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -159,18 +160,26 @@ def _draw_fault(plan: FaultPlan, rng: random.Random, decided: int, request: Requ
 
 def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, str, bytes]:
     """(status, reason, content type, body) of the injected error answer ``kind`` in the shape of ``flavor``."""
-    status, reason = {"slowdown": (503, "Slow Down"), "throttle_429": (429, "Too Many Requests"),
-                      "error_500": (500, "Internal Server Error")}[kind]
+    status, reason = {
+        "slowdown": (503, "Slow Down"),
+        "throttle_429": (429, "Too Many Requests"),
+        "error_500": (500, "Internal Server Error"),
+    }[kind]
     if flavor == "gcs":
-        gcs_reason = {"slowdown": "backendError", "throttle_429": "rateLimitExceeded",
-                      "error_500": "backendError"}[kind]
-        message = {"slowdown": "We encountered an internal error. Please try again.",
-                   "throttle_429": "The rate of change requests to the object is too high.",
-                   "error_500": "We encountered an internal error. Please try again."}[kind]
-        body = (
-            '{"error": {"code": %d, "message": "%s", "errors": [{"message": "%s", "domain": "global", '
-            '"reason": "%s"}]}}' % (status, message, message, gcs_reason)
-        ).encode()
+        gcs_reason = {"slowdown": "backendError", "throttle_429": "rateLimitExceeded", "error_500": "backendError"}[
+            kind
+        ]
+        message = {
+            "slowdown": "We encountered an internal error. Please try again.",
+            "throttle_429": "The rate of change requests to the object is too high.",
+            "error_500": "We encountered an internal error. Please try again.",
+        }[kind]
+        error = {
+            "code": status,
+            "message": message,
+            "errors": [{"message": message, "domain": "global", "reason": gcs_reason}],
+        }
+        body = json.dumps({"error": error}).encode()
         return status, reason, "application/json; charset=UTF-8", body
     code, message = {
         "slowdown": ("SlowDown", "Please reduce your request rate."),

@@ -59,10 +59,7 @@ def _header(headers: list[tuple[str, str]], name: str) -> str | None:
 
 
 def _has_token(headers: list[tuple[str, str]], name: str, token: str) -> bool:
-    return any(
-        key.lower() == name and token in (t.strip().lower() for t in value.split(","))
-        for key, value in headers
-    )
+    return any(key.lower() == name and token in (t.strip().lower() for t in value.split(",")) for key, value in headers)
 
 
 def _encode_head(start_line: str, headers: list[tuple[str, str]]) -> bytes:
@@ -191,9 +188,7 @@ def _relay_fixed(
     return moved
 
 
-def _relay_chunked(
-    src, dst: socket.socket | None, buf: memoryview, cut: int, tally: Callable[[int], None]
-) -> int:
+def _relay_chunked(src, dst: socket.socket | None, buf: memoryview, cut: int, tally: Callable[[int], None]) -> int:
     moved = 0
     while True:
         line = src.readline(_MAX_HEAD_LINE + 1)
