@@ -52,7 +52,7 @@ def layout_of(tensor: torch.Tensor, alignment: int) -> Layout | None:
     The writer saves the host copy of a tensor: detached (no autograd, no
     Python state), and a contiguous CPU view of a larger buffer (FSDP2's
     sharded parameters) as a tensor whose storage is exactly its bytes
-    (``_host_tensor`` in the writer). So a contiguous CPU ``torch.Tensor`` or
+    (``_host_tensor`` in :mod:`.itemtap`). So a contiguous CPU ``torch.Tensor`` or
     ``nn.Parameter`` -- not quantized or nested, without the conj/neg bits
     that torch.save pickles -- has a layout, wherever its storage starts, and
     only while torch.save can be run without the zip CRC32.

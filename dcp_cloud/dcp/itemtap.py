@@ -1,0 +1,167 @@
+"""How one item's bytes reach a shard's object stream: torch.save through a tap, or learned framing.
+
+:class:`_ItemTap` sits between ``torch.save`` and the :class:`ObjectWriter`:
+it finds the raw tensor bytes in torch.save's writes (by address), hashes
+them, uploads them in place, and gathers the framing writes around them.
+:func:`_write_framed` writes a tensor from framing learned earlier
+(:mod:`.framing`). :func:`_host_tensor` gives torch.save a CPU tensor whose
+storage is exactly its bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
+from .checksum import BlockHasher
+from .tensorbytes import tensor_bytes
+
+
+def _buffer_address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+class _ItemTap(io.RawIOBase):
+    """Passes torch.save's writes to the object stream, finding and hashing the raw tensor bytes.
+
+    torch.save hands the tensor's bytes to ``write`` as a view of the tensor's
+    own memory (found by address); with an ``owner`` they are uploaded from
+    there (:meth:`ObjectWriter.write_view`), ``owner`` kept alive until sent.
+    The zip framing around them comes in dozens of tiny writes: those are
+    gathered here and passed on in one write (as are the raw bytes of small
+    tensors, which the stream would copy anyway), so an item costs the stream
+    one or three calls, not forty. Call :meth:`finish` after torch.save.
+    """
+
+    def __init__(
+        self,
+        sink: ObjectWriter,
+        tensor: torch.Tensor | None,
+        hasher: BlockHasher | None,
+        *,
+        owner: Any = None,
+        capture: bool = False,
+    ) -> None:
+        super().__init__()
+        self.sink = sink
+        self.start = sink.tell()
+        self.raw_offset: int | None = None
+        self._owner = owner
+        self._ptr = tensor.data_ptr() if tensor is not None else 0
+        self._nbytes = tensor.nbytes if tensor is not None else -1
+        self._hasher = hasher
+        self._pending = bytearray()
+        self._pos = 0
+        #: With ``capture``: the bytes before and after the raw bytes (see :mod:`.framing`).
+        self._framing = (bytearray(), bytearray()) if capture else None
+        #: The first error the object stream raised (torch.save hides it, see _write_item).
+        self.error: BaseException | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = len(mv)
+        raw = self.raw_offset is None and n == self._nbytes and (n == 0 or _buffer_address(mv) == self._ptr)
+        if raw:
+            self.raw_offset = self._pos
+            if self._hasher is not None:
+                self._hasher.update(mv)
+        elif self._framing is not None:
+            part = self._framing[self.raw_offset is not None]
+            part += mv
+        self._pos += n
+        if n < MIN_BORROWED_WRITE:
+            self._pending += mv
+            return n
+        try:
+            self._flush()
+            if raw and self._owner is not None:
+                self.sink.write_view(mv, self._owner)
+            else:
+                self.sink.write(mv)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+        return n
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self.sink.write(pending)
+
+    def finish(self) -> int:
+        """Pass on what is gathered; returns the item's length."""
+        self._flush()
+        return self._pos
+
+    @property
+    def framing(self) -> tuple[bytes, bytes] | None:
+        """``(header, trailer)`` around the raw bytes, when captured."""
+        if self._framing is None or self.raw_offset is None:
+            return None
+        return bytes(self._framing[0]), bytes(self._framing[1])
+
+
+def _write_framed(
+    sink: ObjectWriter, tensor: torch.Tensor, frame: tuple[bytes, bytes], hasher: BlockHasher | None, owner: Any
+) -> int:
+    """Write ``tensor`` as torch.save would, from learned framing (see :mod:`.framing`); returns the raw offset."""
+    header, trailer = frame
+    raw = tensor_bytes(tensor, writable=False)
+    if hasher is not None:
+        hasher.update(raw)
+    if owner is not None and len(raw) >= MIN_BORROWED_WRITE:
+        sink.write(header)
+        sink.write_view(raw, owner)
+        sink.write(trailer)
+    else:
+        whole = bytearray(header)
+        whole += raw
+        whole += trailer
+        sink.write(whole)
+    return len(header)
+
+
+def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A CPU tensor whose storage is exactly its bytes (torch.save writes a tensor's whole
+    storage), and whether it is a copy made here (a temporary) rather than the caller's memory.
+
+    A contiguous CPU view into a larger buffer (FSDP2's sharded parameters,
+    slices of a flat buffer) gets a storage that is a slice of the buffer's:
+    the same memory, no copy. GPU tensors and non-contiguous views are copied.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return _host_tensor(tensor.to("cpu"))[0], True
+    if not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.nbytes:
+        return tensor, False
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = storage[start : start + tensor.nbytes]
+    if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != tensor.nbytes:  # not a view: never seen
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    return torch.empty(0, dtype=tensor.dtype).set_(exact, 0, tensor.shape, tensor.stride()), False
+
+
+def _plain_and_exact(data: Any) -> bool:
+    """A plain CPU tensor, not requiring grad, without Python state, whose storage is exactly its bytes."""
+    return (
+        type(data) is torch.Tensor
+        and not data.requires_grad
+        and data.device.type == "cpu"
+        and not data.__dict__
+        and data.storage_offset() == 0
+        and data.is_contiguous()
+        and data.untyped_storage().nbytes() == data.nbytes
+    )
