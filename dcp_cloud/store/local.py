@@ -41,7 +41,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .localfs import append_file, fsync_dir, link_noreplace, preadv, pwrite_all, write_all
+from .localfs import advance, append_file, fsync_dir, link_noreplace, preadv, pwrite_all, write_all
 from .payload import Payload, payload_size, payload_views
 from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
@@ -233,12 +233,7 @@ class LocalStore:
                 if n == 0:
                     raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
                 pos += n
-                while n and pending:
-                    if n >= len(pending[0]):
-                        n -= len(pending.pop(0))
-                    else:
-                        pending[0] = pending[0][n:]
-                        n = 0
+                advance(pending, n)
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
         finally:

@@ -52,13 +52,18 @@ def pwrite_all(fd: int, views: list[memoryview], pos: int) -> int:
             n = os.pwrite(fd, pending[0][:MAX_IO], pos)
         pos += n
         written += n
-        while n and pending:
-            if n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        advance(pending, n)
     return written
+
+
+def advance(pending: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``pending`` (after a vectored call moved that many)."""
+    while n and pending:
+        if n >= len(pending[0]):
+            n -= len(pending.pop(0))
+        else:
+            pending[0] = pending[0][n:]
+            n = 0
 
 
 def preadv(fd: int, views: list[memoryview], pos: int) -> int:
