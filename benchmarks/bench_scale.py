@@ -309,9 +309,11 @@ def render(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.N
         rows,
     )  # fmt: skip
     notes = (
-        "\n\nrequests (data): dcp_cloud's GETs (`read`) for loads, `put_part` + `put` + `create_multipart` + "
-        "`complete_multipart` for saves (metadata and bucket checks excluded); stock: read / write calls on the "
-        "`.distcp` file. load_weights loads only the `model` part of the checkpoint (a partial load)."
+        "\n\nrequests (data): dcp_cloud's ranged GETs (`read`) for loads (the `.metadata` GET excluded); for saves "
+        "CreateMultipartUpload + UploadPart + CompleteMultipartUpload + PUT (the PUT is the `.metadata` commit; "
+        "bucket check, HEAD and the cleanup call after completion excluded); stock: read / write calls on the "
+        "`.distcp` file. load_weights loads only the `model` part of the checkpoint (a partial load); its "
+        "'moved / state dict' is the bytes fetched over the bytes it loads."
     )
     return head + table + notes
 
