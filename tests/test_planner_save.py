@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -324,6 +324,9 @@ def _cols(plans: list[SavePlan], name: str) -> int:
     cols=st.integers(1, 64),
     min_chunk=st.sampled_from([1, 1024, 65536]),
 )
+@example(fixed=[0, 4, 4], rows=512, cols=1, min_chunk=1024)  # rounding once gave 257 + 255 rows: written whole
+@example(fixed=[0] * 7, rows=804, cols=60, min_chunk=65536)  # 7 replicas, room for only 2 pieces of min_chunk
+@example(fixed=[0, 1032, 1028], rows=768, cols=1, min_chunk=1024)  # dropping a 255-row piece overloaded rank 0
 @settings(max_examples=200, deadline=None)
 def test_balance_replicated_levels_loads(fixed: list[int], rows: int, cols: int, min_chunk: int) -> None:
     """One tensor replicated everywhere on top of arbitrary per-rank loads.
@@ -344,7 +347,9 @@ def test_balance_replicated_levels_loads(fixed: list[int], rows: int, cols: int,
     assert total == sum(base) + rows * row_bytes
     if rows < 2 * math.ceil(min_chunk / row_bytes):
         return  # too small to cut into two pieces of whole rows >= min_chunk: written whole
-    assert max(loads) <= max(max(base), math.ceil(total / n)) + row_bytes + min_chunk
+    # Pieces of at least min_chunk bytes: no more than rows // min_rows of them, however many replicas.
+    pieces = min(n, rows // math.ceil(min_chunk / row_bytes))
+    assert max(loads) <= max(max(base), math.ceil(total / pieces)) + row_bytes + min_chunk
 
 
 def test_balance_replicated_is_deterministic_and_keeps_single_holders() -> None:

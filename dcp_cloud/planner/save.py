@@ -116,6 +116,26 @@ def _water_fill(loads: Sequence[int], total: int) -> list[float]:
     return [max(0.0, level - load) for load in loads]
 
 
+def _lift_to_min(counts: list[int], min_rows: int) -> None:
+    """Lift pieces under ``min_rows`` to it where the larger pieces can spare the rows (closest first).
+
+    A lifted holder ends at most ``min_rows`` rows above its level share,
+    while dropping its piece would push all of it onto the others.
+    """
+    for j in sorted((j for j, c in enumerate(counts) if 0 < c < min_rows), key=lambda j: (-counts[j], j)):
+        need = min_rows - counts[j]
+        donors = sorted((k for k in range(len(counts)) if counts[k] > min_rows), key=lambda k: (-counts[k], k))
+        if sum(counts[k] - min_rows for k in donors) < need:
+            continue
+        counts[j] = min_rows
+        for k in donors:
+            take = min(need, counts[k] - min_rows)
+            counts[k] -= take
+            need -= take
+            if not need:
+                break
+
+
 def _row_split(loads: Sequence[int], rows: int, row_bytes: int, min_rows: int) -> list[int]:
     """Rows per holder (summing to ``rows``) that level ``loads``; no piece smaller than ``min_rows``."""
     active = list(range(len(loads)))
@@ -127,6 +147,7 @@ def _row_split(loads: Sequence[int], rows: int, row_bytes: int, min_rows: int) -
         # largest remainder, ties to the earlier holder: deterministic
         for j in sorted(range(len(active)), key=lambda j: (-(ideal[j] - counts[j]), j))[:short]:
             counts[j] += 1
+        _lift_to_min(counts, min_rows)
         small = [j for j, c in enumerate(counts) if 0 < c < min_rows]
         if not small or len([c for c in counts if c > 0]) == 1:
             break
