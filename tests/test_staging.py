@@ -188,3 +188,47 @@ def test_cuda_state_is_staged_into_pinned_buffers(tmp_path: Path) -> None:
     staged, lease = stage(state, StagingConfig())
     assert all(t.device.type == "cpu" and t.is_pinned() for t in staged.values())
     lease.release()
+
+
+def _fsdp_async_saves(rank: int, world_size: int, root: str) -> bool:
+    """Two async_saves of an FSDP2 model + Adam (DTensors), a step right after each stall; each loads back exact."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model(torch.randn(4, 16)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    # The save's collectives run in async_save's thread while training runs its own: a group of their own.
+    checkpoint_group = torch.distributed.new_group(backend="gloo")
+    for n in range(2):
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        expected = {
+            k: v.full_tensor().clone() for k, v in model_sd.items() if hasattr(v, "full_tensor")
+        }  # the state at call time
+        future = dcp.async_save(state, storage_writer=LocalWriter(f"{root}/step-{n}"), process_group=checkpoint_group)
+        step()  # changes every parameter and moment while the save is in flight
+        future.result(timeout=300)
+        model_sd2, optim_sd2 = get_state_dict(model, optim)
+        target = {"model": model_sd2, "optim": optim_sd2}
+        dcp.load(target, storage_reader=LocalReader(f"{root}/step-{n}"))
+        for k, want in expected.items():
+            if not torch.equal(target["model"][k].full_tensor(), want):
+                return False
+    return True
+
+
+def test_fsdp_dtensor_state_is_staged_by_local_shard(tmp_path: Path) -> None:
+    from dcp_cloud.testing.multirank import run_ranks
+
+    assert run_ranks(2, _fsdp_async_saves, str(tmp_path), timeout=300) == [True, True]
