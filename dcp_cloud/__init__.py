@@ -32,6 +32,7 @@ from .errors import (
     TransientStoreError,
 )
 from .maintenance import CheckpointInfo, GCReport, VerifyReport, gc, list_checkpoints, verify
+from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
 from .transfer.stats import TransferStats
 
@@ -64,6 +65,7 @@ __all__ = [
     "RetryConfig",
     "S3Reader",
     "S3Writer",
+    "ScaleLoadPlanner",
     "StagingConfig",
     "StoreError",
     "TransferConfig",

@@ -14,7 +14,8 @@ import torch
 import dcp_cloud
 from dcp_cloud import BucketNotFoundError, S3Reader, S3Writer
 from dcp_cloud.cli.main import main
-from dcp_cloud.dcp.layout import extras_of, load_metadata
+from dcp_cloud.dcp.footer import item_extras
+from dcp_cloud.dcp.layout import load_metadata
 from dcp_cloud.store.s3 import S3Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -96,7 +97,7 @@ def test_verify_reports_a_corrupted_object(bucket_with_checkpoints: str, capsys:
         info = next(i for idx, i in metadata.storage_data.items() if idx.fqn == "b")
         key = f"run/step-1/{info.relative_path}"
         data = bytearray(store.get(key))
-        data[info.offset + extras_of(info).raw_offset + 100] ^= 0x40
+        data[info.offset + item_extras(store, "run/step-1", metadata, info).raw_offset + 100] ^= 0x40
         store.put(key, bytes(data))
     finally:
         store.close()

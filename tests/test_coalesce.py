@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_cloud
 from dcp_cloud import ChecksumMismatchError, CloudReader, CloudWriter, TransferConfig
 from dcp_cloud.config import RetryConfig
-from dcp_cloud.dcp.layout import extras_of, load_metadata
+from dcp_cloud.dcp.footer import item_extras
+from dcp_cloud.dcp.layout import footer_table, load_metadata
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte
@@ -87,8 +88,9 @@ def test_many_small_items_load_with_few_requests(backend) -> None:
     dcp.load(target, storage_reader=reader)
     _assert_bits(target, saved)
     stats = reader.stats
-    # one object of ~4 MiB under the 16 MiB read chunk: one ranged GET for 300 items
-    assert stats.requests.get("read") == 1, stats.requests
+    # one object of ~4 MiB under the 16 MiB read chunk: one ranged GET for 300 items, after the one
+    # GET of the object's index footer
+    assert stats.requests.get("read") == 2, stats.requests
     assert stats.retries == 0
     assert total < stats.bytes_read <= total + 2048 * len(saved)
 
@@ -116,7 +118,7 @@ def test_weights_only_load_of_a_model_and_adam_checkpoint_stays_exact(backend) -
     wanted = _nbytes(model)
     fetched = reader.stats.bytes_read
     assert wanted <= fetched <= 1.15 * wanted, (fetched, wanted)
-    assert reader.stats.requests["read"] < len(model)
+    assert reader.stats.requests["read"] - 1 < len(model)  # one request is the object's index footer
 
     # the ratio rule is what keeps it exact: without it, the moments are read through
     weights = {k: torch.zeros_like(v) for k, v in model.items()}
@@ -169,7 +171,7 @@ def _raw_offset(store: MemoryStore, fqn: str) -> tuple[str, int, int]:
     """Key, object offset of the raw bytes, and their length, of item ``fqn``."""
     metadata = load_metadata(store.get("many/.metadata"), URI)
     info = next(i for idx, i in metadata.storage_data.items() if idx.fqn == fqn)
-    extras = extras_of(info)
+    extras = item_extras(store, "many", metadata, info)
     return f"many/{info.relative_path}", info.offset + extras.raw_offset, extras.checked_length
 
 
@@ -184,8 +186,22 @@ def test_a_flipped_byte_in_one_small_item_of_a_coalesced_span_names_that_item() 
     message = str(caught.value)
     assert "'p0151'" in message and key in message
     assert "p0150" not in message and "p0152" not in message
-    # one coalesced read, then the mismatching block once more, then the error
-    assert counting.counts()[0]["read_into"] == 2
+    # the footer, one coalesced read, then the mismatching block once more, then the error
+    assert counting.counts()[0]["read_into"] == 3
+
+
+class _FaultsAfterTheFooter(FaultyStore):
+    """Faults start after the first read_into (the object's index footer)."""
+
+    def __init__(self, inner: MemoryStore, plan: StoreFaultPlan) -> None:
+        super().__init__(inner, plan)
+        self._reads = 0
+
+    def read_into(self, key: str, start: int, outs: Any) -> None:
+        self._reads += 1
+        if self._reads == 1:
+            return self.inner.read_into(key, start, outs)
+        return super().read_into(key, start, outs)
 
 
 def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFixture) -> None:
@@ -195,9 +211,8 @@ def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFi
     saved = _save_many(mem)
     healed = 0
     for seed in range(8):
-        faulty = FaultyStore(
-            mem, StoreFaultPlan(corrupt_reads=1.0, seed=seed, max_faults=1, ops=frozenset({"read_into"}))
-        )
+        plan = StoreFaultPlan(corrupt_reads=1.0, seed=seed, max_faults=1, ops=frozenset({"read_into"}))
+        faulty = _FaultsAfterTheFooter(mem, plan)
         target = _zeros_like(saved)
         reader = _load_many(faulty, target)
         _assert_bits(target, saved)
@@ -206,6 +221,40 @@ def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFi
         healed += reader.stats.retries
     assert healed >= 4  # most bytes of the body belong to items
     assert "reading them once more" in caplog.text
+
+
+def test_a_footer_damaged_on_the_way_is_read_once_more(caplog: pytest.LogCaptureFixture) -> None:
+    mem = MemoryStore()
+    saved = _save_many(mem)
+    for seed in range(3):
+        plan = StoreFaultPlan(corrupt_reads=1.0, seed=seed, max_faults=1, ops=frozenset({"read_into"}))
+        faulty = FaultyStore(mem, plan)  # the first read is the footer's
+        target = _zeros_like(saved)
+        reader = _load_many(faulty, target)
+        _assert_bits(target, saved)
+        assert faulty.injected == 1 and reader.stats.retries == 1
+    assert "reading it once more" in caplog.text
+
+
+def test_a_footer_damaged_at_rest_is_named() -> None:
+    """A flipped byte in the footer itself, or a footer cut off with the object's tail: typed errors that name
+    the footer and its object, never a load that skips verification."""
+    mem = MemoryStore()
+    saved = _save_many(mem)
+    metadata = load_metadata(mem.get("many/.metadata"), URI)
+    (relative, (start, length)), *_ = footer_table(metadata).items()
+    key = f"many/{relative}"
+    body = mem.get(key)
+    flip_byte(mem, key, start + length // 2)
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
+        _load_many(mem, _zeros_like(saved))
+    assert "damaged" in str(caught.value) and key in str(caught.value)
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer"):
+        dcp_cloud.verify("memory://mem/many", store=mem)
+    mem.put(key, body[: start + length // 2])  # truncated inside the footer
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
+        _load_many(mem, _zeros_like(saved))
+    assert "missing" in str(caught.value) and "truncated" in str(caught.value)
 
 
 def test_coalesced_loads_stay_within_the_memory_budget() -> None:
@@ -241,8 +290,9 @@ def test_coalescing_off_reads_each_item_alone() -> None:
     target = _zeros_like(saved)
     reader = _load_many(mem, target, TransferConfig(coalesce_gap=0))
     _assert_bits(target, saved)
-    assert reader.stats.requests["read"] == len(saved)
-    assert reader.stats.bytes_read == _nbytes(saved)
+    footers = footer_table(load_metadata(mem.get("many/.metadata"), URI))
+    assert reader.stats.requests["read"] == len(saved) + len(footers)  # and one GET of the object's footer
+    assert reader.stats.bytes_read == _nbytes(saved) + sum(length for _, length in footers.values())
 
 
 def test_config_checks_the_ratio() -> None:

@@ -32,7 +32,8 @@ from dcp_cloud import (
     list_checkpoints,
     verify,
 )
-from dcp_cloud.dcp.layout import extras_of, load_metadata
+from dcp_cloud.dcp.footer import item_extras
+from dcp_cloud.dcp.layout import load_metadata
 from dcp_cloud.store.local import UPLOADS_DIR, LocalStore
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.protocol import ObjectStore
@@ -355,9 +356,10 @@ def test_verify_catches_a_flipped_byte(env: Env) -> None:
     report = verify(env.uri("step-1"), **env.kwargs)
     assert (report.items_checked, report.items_unverified, report.objects) == (4, 0, 1)
     state = _state()
+    metadata = load_metadata(env.store.get("run/step-1/.metadata"), "x")
     assert report.bytes_verified == sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor)) + sum(
-        extras_of(i).checked_length
-        for idx, i in load_metadata(env.store.get("run/step-1/.metadata"), "x").storage_data.items()
+        item_extras(env.store, "run/step-1", metadata, i).checked_length
+        for idx, i in metadata.storage_data.items()
         if idx.fqn == "step"
     )
 
@@ -365,7 +367,7 @@ def test_verify_catches_a_flipped_byte(env: Env) -> None:
     info = next(i for idx, i in metadata.storage_data.items() if idx.fqn == "w")
     key = f"run/step-1/{info.relative_path}"
     data = bytearray(env.store.get(key))
-    data[info.offset + extras_of(info).raw_offset + 5000] ^= 0x01
+    data[info.offset + item_extras(env.store, "run/step-1", metadata, info).raw_offset + 5000] ^= 0x01
     env.store.put(key, bytes(data))
     with pytest.raises(ChecksumMismatchError) as caught:
         verify(env.uri("step-1"), **env.kwargs)

@@ -69,7 +69,14 @@ class S3Writer(CloudWriter):
 
 
 class S3Reader(CloudReader):
-    """Load from ``s3://bucket/prefix`` (same configuration as :class:`S3Writer`)."""
+    """Load from ``s3://bucket/prefix`` (same configuration as :class:`S3Writer`).
+
+    In a process group, the group's rank 0 fetches ``.metadata`` and
+    broadcasts it (one GET per load job instead of one per rank). Pass
+    ``process_group=`` when ``dcp.load`` runs in a group other than the
+    default one, and ``share_metadata=False`` when only some ranks of the
+    group load (``dcp.load(..., no_dist=True)`` on a subset).
+    """
 
     def __init__(
         self,
@@ -80,8 +87,17 @@ class S3Reader(CloudReader):
         config: Any = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
+        process_group: Any = None,
+        share_metadata: bool = True,
     ) -> None:
-        super().__init__(checkpoint_id, _s3_backend(endpoint_url, region, config, None), transfer=transfer, retry=retry)
+        super().__init__(
+            checkpoint_id,
+            _s3_backend(endpoint_url, region, config, None),
+            transfer=transfer,
+            retry=retry,
+            process_group=process_group,
+            share_metadata=share_metadata,
+        )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -140,9 +156,16 @@ class GCSReader(CloudReader):
         config: Any = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
+        process_group: Any = None,
+        share_metadata: bool = True,
     ) -> None:
         super().__init__(
-            checkpoint_id, _gcs_backend(project, endpoint, credentials, config), transfer=transfer, retry=retry
+            checkpoint_id,
+            _gcs_backend(project, endpoint, credentials, config),
+            transfer=transfer,
+            retry=retry,
+            process_group=process_group,
+            share_metadata=share_metadata,
         )
 
     @classmethod
@@ -183,5 +206,14 @@ class LocalReader(CloudReader):
         *,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
+        process_group: Any = None,
+        share_metadata: bool = True,
     ) -> None:
-        super().__init__(checkpoint_id, LocalBackend(), transfer=transfer, retry=retry)
+        super().__init__(
+            checkpoint_id,
+            LocalBackend(),
+            transfer=transfer,
+            retry=retry,
+            process_group=process_group,
+            share_metadata=share_metadata,
+        )

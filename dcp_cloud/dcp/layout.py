@@ -9,12 +9,16 @@ A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
 * ``<prefix>/.metadata`` -- the pickled ``Metadata``, written last and
   create-only: its presence *is* the commit.
 
-Our extras ride on torch's own ``_StorageInfo`` records as one extra
-attribute (:data:`EXTRA_ATTR`) holding only builtin values. Stock torch
-unpickles them into ``__dict__`` and ignores them, so a checkpoint stays
-readable without dcp_cloud installed. They give the offset of the raw tensor
-bytes inside each item (for byte-precise ranged reads) and per-block CRC32C
-checksums of those bytes.
+Our extras per item are the offset of the raw tensor bytes inside the item
+(for byte-precise ranged reads) and per-block CRC32C checksums of those
+bytes. Since format 2 they live in an index footer at the end of each shard
+object (:mod:`dcp_cloud.dcp.footer`); the metadata only gains one
+builtin-valued attribute on its ``StorageMeta`` (:data:`META_ATTR`) with the
+place of each object's footer, so ``.metadata`` stays the size of stock
+torch's. Format 1 (checkpoints written before) kept the extras on each
+``_StorageInfo`` record (:data:`EXTRA_ATTR`); readers still accept it. Stock
+torch unpickles either into ``__dict__`` and ignores it, and reads items by
+offset and length, so a checkpoint stays readable without dcp_cloud installed.
 """
 
 from __future__ import annotations
@@ -33,10 +37,17 @@ METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
 #: Version of DCP's format we write (torch's CURRENT_DCP_VERSION).
 DCP_VERSION = "1.0.0"
-#: Name of the extra attribute on ``_StorageInfo`` records.
+#: Name of the extra attribute on ``_StorageInfo`` records (format 1).
 EXTRA_ATTR = "dcp_cloud"
-#: Version of the extras' schema.
+#: Version of the per-record extras' schema (format 1).
 EXTRA_VERSION = 1
+#: Name of the extra attribute on the metadata's ``StorageMeta`` (format 2).
+META_ATTR = "dcp_cloud"
+#: Format of checkpoints whose per-item extras are in object footers.
+FOOTER_FORMAT = 2
+#: Attribute on one write result of each rank that carries its object's footer place to ``finish``
+#: (removed before the metadata is written).
+FOOTER_RESULT_ATTR = "_dcp_cloud_footer"
 
 
 def shard_name(rank: int, token: str) -> str:
@@ -75,16 +86,33 @@ class ItemExtras:
         return int.from_bytes(self.crcs[4 * block : 4 * block + 4], "big")
 
 
-def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras) -> _StorageInfo:
-    """A stock ``_StorageInfo`` carrying our extras as a builtin-valued attribute."""
+def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras | None = None) -> _StorageInfo:
+    """A stock ``_StorageInfo``; with ``extras``, carrying them as a builtin-valued attribute (format 1)."""
     info = _StorageInfo(relative_path, offset, length)
-    setattr(info, EXTRA_ATTR, extras.to_builtin())
+    if extras is not None:
+        setattr(info, EXTRA_ATTR, extras.to_builtin())
     return info
 
 
 def extras_of(info: Any) -> ItemExtras | None:
     """Our extras of a storage record, or None for checkpoints written by stock torch."""
     return ItemExtras.from_builtin(getattr(info, EXTRA_ATTR, None))
+
+
+def footer_table(metadata: Metadata) -> dict[str, tuple[int, int]] | None:
+    """``relative_path -> (offset, length)`` of each object's index footer, or None before format 2."""
+    extras = getattr(metadata.storage_meta, META_ATTR, None)
+    if not isinstance(extras, dict) or extras.get("v") != FOOTER_FORMAT:
+        return None
+    table = extras.get("footers")
+    if not isinstance(table, dict):
+        raise CorruptCheckpointError("the checkpoint's metadata names format 2 but has no footer table")
+    return table
+
+
+def set_footer_table(metadata: Metadata, table: dict[str, tuple[int, int]]) -> None:
+    """Record where each object's footer is (the storage_meta must be set)."""
+    setattr(metadata.storage_meta, META_ATTR, {"v": FOOTER_FORMAT, "footers": table})
 
 
 def transform_descriptors(info: Any) -> Any:

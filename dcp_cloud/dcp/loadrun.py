@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..config import TransferConfig
@@ -115,6 +116,39 @@ class _Item:
         return out
 
 
+class ChunkIndex:
+    """Shape and dtype of a saved chunk, found from a ReadItem without walking every chunk.
+
+    The planner's ``storage_index.index`` is the chunk's position in its
+    tensor's chunk list (torch sets it when it plans the read); that is tried
+    first, then the tensor's chunks are indexed by offsets once. A rank thus
+    pays for the tensors it reads, not for the millions of chunks of a
+    thousands-of-ranks checkpoint.
+    """
+
+    def __init__(self, state_dict_metadata: dict[str, Any]) -> None:
+        self._md = state_dict_metadata
+        self._by_offsets: dict[str, dict[tuple[int, ...], Any]] = {}
+
+    def lookup(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+        md = self._md.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        offsets = tuple(index.offset or ())
+        chunks = md.chunks
+        hint = index.index
+        if isinstance(hint, int) and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
+            chunk = chunks[hint]
+        else:
+            table = self._by_offsets.get(index.fqn)
+            if table is None:
+                table = self._by_offsets[index.fqn] = {tuple(c.offsets): c for c in chunks}
+            chunk = table.get(offsets)
+            if chunk is None:
+                return None
+        return tuple(chunk.sizes), md.properties.dtype
+
+
 class LoadRun:
     """Reads of one load plan through one engine (see the module docstring)."""
 
@@ -123,7 +157,7 @@ class LoadRun:
         engine: TransferEngine,
         planner: LoadPlanner,
         transfer: TransferConfig,
-        chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]],
+        chunks: ChunkIndex,
         recorder: StatsRecorder,
         checkpoint_id: str,
     ) -> None:
@@ -231,13 +265,12 @@ class LoadRun:
     # -- coalesced items --------------------------------------------------
     def plan_item(self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str) -> _Item:
         """The segments an item needs (no destination yet)."""
-        fqn = req.storage_index.fqn
-        try:
-            shape, dtype = self.chunks[(fqn, tuple(req.storage_index.offset or ()))]
-        except KeyError:
+        found = self.chunks.lookup(req.storage_index)
+        if found is None:
             raise CorruptCheckpointError(
-                f"{self.checkpoint_id}: no chunk of {fqn!r} at {req.storage_index.offset}"
-            ) from None
+                f"{self.checkpoint_id}: no chunk of {req.storage_index.fqn!r} at {req.storage_index.offset}"
+            )
+        shape, dtype = found
         assert extras.raw_offset is not None
         verify = self.transfer.verify_checksums and extras.block_size > 0
         item = _Item(req, what, key, info.offset + extras.raw_offset, extras, verify)

@@ -4,9 +4,14 @@ Call order (torch's contract): ``reset`` (when a checkpoint_id is passed) ->
 ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepare_local_plan`` ->
 (coordinator) ``prepare_global_plan`` -> ``read_data``.
 
-Torch swallows whatever ``read_metadata`` raises, so the metadata is fetched
-(and every "not found / not committed / no access" error raised, typed) in
-the constructor and in ``reset``, before any collective step.
+Torch swallows whatever ``read_metadata`` raises, so "not found / not
+committed / no access" errors are raised, typed, by the constructor and by
+``reset``, before any collective step: in a process group with one HEAD per
+rank, alone with the GET of the metadata itself. In a group, the metadata is
+then fetched once per load job, by the group's first rank, and broadcast from
+``read_metadata`` (see :mod:`dcp_cloud.dcp.metashare`); an error there (a
+corrupt object, a store failure) is raised by ``set_up_storage_reader`` on
+every rank, where torch hands it to all ranks as it is.
 
 For each requested region of a saved chunk, the reader computes the exact
 byte runs inside the stored tensor bytes (row-major layout math), widens them
@@ -23,10 +28,9 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
@@ -35,8 +39,10 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
 from .backend import Backend
 from .base import CloudBase, log
-from .layout import extras_of, load_metadata, transform_descriptors
-from .loadrun import LoadRun
+from .footer import fetch_all
+from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
+from .loadrun import ChunkIndex, LoadRun
+from .metashare import broadcast_bytes, sharing_group
 
 
 class CloudReader(CloudBase, StorageReader):
@@ -49,34 +55,57 @@ class CloudReader(CloudBase, StorageReader):
         *,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
+        process_group: Any = None,
+        share_metadata: bool = True,
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
+        #: The group ``dcp.load`` runs in (None: the default group); its rank 0 fetches the metadata.
+        self.process_group = process_group
+        #: Fetch ``.metadata`` once per group and broadcast it (when a process group is up).
+        self.share_metadata = share_metadata
         self.load_id = str(uuid.uuid4())
         self._loaded = False
         self.storage_data: dict[Any, Any] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
-        self._metadata: Metadata = self._fetch_metadata()
+        self._chunks = ChunkIndex({})
+        self._footers: dict[str, Any] | None = None
+        self._metadata: Metadata | None = None
+        self._metadata_error: BaseException | None = None
+        self._open()
 
     # -- metadata ---------------------------------------------------------
-    def _fetch_metadata(self) -> Metadata:
-        key = self._metadata_key()
-        store = self._retrying()
+    def _open(self) -> None:
+        """Raise the typed "not there" errors now: with the metadata itself when reading alone, with a HEAD
+        when a process group will share one GET of it."""
+        self._metadata = None
+        self._metadata_error = None
+        if sharing_group(self.process_group, self.share_metadata) is None:
+            self._metadata = load_metadata(self._get_metadata(), self.store.url(self._metadata_key()))
+            return
         try:
-            body = store.get(key)
+            self._retrying().head(self._metadata_key())
         except ObjectNotFoundError as exc:
-            store.check_bucket()
-            leftovers = any(True for _ in store.list(self.uri.prefix + "/"))
-            if leftovers:
-                raise CheckpointNotFoundError(
-                    f"{self.checkpoint_id} has objects but no committed {key.rsplit('/', 1)[-1]}: the save that "
-                    "wrote it never finished (it crashed or is still running). Load an earlier checkpoint; "
-                    "dcp_cloud.gc() removes what the failed save left behind"
-                ) from exc
+            self._not_found(exc)
+
+    def _get_metadata(self) -> bytes:
+        try:
+            return self._retrying().get(self._metadata_key())
+        except ObjectNotFoundError as exc:
+            self._not_found(exc)
+
+    def _not_found(self, exc: ObjectNotFoundError) -> NoReturn:
+        """The typed error for a missing ``.metadata``: no bucket, an unfinished save, or nothing at all."""
+        store = self._retrying()
+        store.check_bucket()
+        if any(True for _ in store.list(self.uri.prefix + "/")):
             raise CheckpointNotFoundError(
-                f"no checkpoint at {self.checkpoint_id}: nothing is stored under that prefix. "
-                "Check the URI (bucket, run name, step) or list the bucket to find saved steps"
+                f"{self.checkpoint_id} has objects but no committed {METADATA_NAME}: the save that wrote it "
+                "never finished (it crashed or is still running). Load an earlier checkpoint; "
+                "dcp_cloud.gc() removes what the failed save left behind"
             ) from exc
-        return load_metadata(body, self.store.url(key))
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {self.checkpoint_id}: nothing is stored under that prefix. "
+            "Check the URI (bucket, run name, step) or list the bucket to find saved steps"
+        ) from exc
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._recorder.reset()
@@ -85,12 +114,23 @@ class CloudReader(CloudBase, StorageReader):
         self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             self._set_uri(checkpoint_id)
-            self._metadata = self._fetch_metadata()
+            self._open()
 
     def read_metadata(self) -> Metadata:
         if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here
             self._recorder.reset()
             self._loaded = False
+        if self._metadata is None:
+            group = sharing_group(self.process_group, self.share_metadata)
+            url = self.store.url(self._metadata_key())
+            try:
+                body = broadcast_bytes(group, self._get_metadata) if group is not None else self._get_metadata()
+                self._metadata = load_metadata(body, url)
+            except Exception as exc:  # noqa: BLE001 - raised by set_up_storage_reader on every rank
+                # Torch turns an exception raised here into an untyped AssertionError; an empty
+                # Metadata lets it reach set_up_storage_reader, which raises this one as it is.
+                self._metadata_error = exc
+                return Metadata(state_dict_metadata={})
         metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -98,13 +138,15 @@ class CloudReader(CloudBase, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._metadata_error is not None:
+            error, self._metadata_error = self._metadata_error, None
+            raise error
+        # Nothing here walks every item: at thousands of ranks the metadata holds millions of them,
+        # and a rank needs only its own (the chunk index looks them up on demand).
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
-        self._chunks = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    self._chunks[(fqn, tuple(chunk.offsets))] = (tuple(chunk.sizes), md.properties.dtype)
+        self._chunks = ChunkIndex(metadata.state_dict_metadata)
+        self._footers = footer_table(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -155,19 +197,21 @@ class CloudReader(CloudBase, StorageReader):
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
         """Start whole-item reads, then the coalesced reads of every object."""
         by_key: dict[str, tuple[str, list[Any]]] = {}
+        for info, _ in records:
+            key = self.uri.key(info.relative_path)
+            if key not in by_key:
+                by_key[key] = (self.store.url(key), [])
+        footers = self._fetch_footers(run, records, by_key)
         for info, req in records:
             key = self.uri.key(info.relative_path)
-            entry = by_key.get(key)
-            if entry is None:
-                entry = by_key[key] = (self.store.url(key), [])
-            url, coalesced = entry
+            url, coalesced = by_key[key]
             what = f"{req.storage_index.fqn!r} from {url}"
             if transform_descriptors(info):
                 raise CorruptCheckpointError(
                     f"{what} was written with stream transforms {transform_descriptors(info)!r}, "
                     "which dcp_cloud does not read; load it with torch's FileSystemReader"
                 )
-            extras = extras_of(info)
+            extras = self._extras(footers, key, info, what)
             if req.type == LoadItemType.BYTE_IO:
                 run.start_whole(req, key, info, extras, what)
             elif extras is None or extras.raw_offset is None:
@@ -177,6 +221,40 @@ class CloudReader(CloudBase, StorageReader):
         for key, (url, entries) in by_key.items():
             if entries:
                 run.read_object(key, url, entries)
+
+    def _fetch_footers(
+        self, run: LoadRun, records: list[tuple[Any, ReadItem]], by_key: dict[str, tuple[str, list[Any]]]
+    ) -> dict[str, dict[int, ItemExtras]]:
+        """The index footers of every object this plan reads (format 2), fetched in parallel."""
+        table = self._footers
+        if table is None:
+            return {}
+        wanted: dict[str, tuple[str, Any]] = {}
+        for info, _ in records:
+            key = self.uri.key(info.relative_path)
+            if key in wanted:
+                continue
+            url = by_key[key][0]
+            place = table.get(info.relative_path)
+            if place is None:
+                raise CorruptCheckpointError(
+                    f"{self.checkpoint_id}: the metadata places no checksum footer in {url}, which it references; "
+                    "the metadata is damaged or was edited"
+                )
+            wanted[key] = (url, place)
+        return fetch_all(run.engine, wanted)
+
+    def _extras(self, footers: dict[str, dict[int, ItemExtras]], key: str, info: Any, what: str) -> ItemExtras | None:
+        """What we recorded about one item: from its object's footer (format 2) or its record (format 1)."""
+        if self._footers is None:
+            return extras_of(info)
+        extras = footers[key].get(info.offset)
+        if extras is None:
+            raise CorruptCheckpointError(
+                f"{what}: the object's checksum footer has no entry for the item at byte {info.offset}; "
+                "the metadata and the object do not belong together"
+            )
+        return extras
 
     def _info(self, req: ReadItem) -> Any:
         try:

@@ -55,6 +55,14 @@ def save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
 
 
 def load(state_dict: dict[str, Any], **kwargs: Any) -> None:
-    """``torch.distributed.checkpoint.load`` that raises dcp_cloud errors as themselves."""
+    """``torch.distributed.checkpoint.load`` that raises dcp_cloud errors as themselves.
+
+    Without ``planner=``, plans with :class:`~dcp_cloud.ScaleLoadPlanner` (the
+    stock plan, found by binary search over saved chunks).
+    """
+    from ..planner.load import ScaleLoadPlanner
+
+    if kwargs.get("planner") is None:
+        kwargs["planner"] = ScaleLoadPlanner()
     with typed_errors():
         dcp.load(state_dict, **kwargs)

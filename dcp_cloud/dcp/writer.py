@@ -30,14 +30,27 @@ from torch.futures import Future
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
+from ..planner.load import share_chunk_lists
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
 from . import framing
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
+from .footer import FooterEntry
+from .footer import encode as encode_footer
 from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
-from .layout import DCP_VERSION, SHARD_SUFFIX, ItemExtras, dump_metadata, load_metadata, shard_name, storage_info
+from .layout import (
+    DCP_VERSION,
+    FOOTER_RESULT_ATTR,
+    SHARD_SUFFIX,
+    ItemExtras,
+    dump_metadata,
+    load_metadata,
+    set_footer_table,
+    shard_name,
+    storage_info,
+)
 from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
@@ -231,8 +244,15 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             with self._engine() as engine:
                 stream = open_writer(engine, key, size_hint)
                 try:
+                    entries: list[FooterEntry] = []
                     for item in items:
-                        results.append(self._write_item(stream, shard.name, item, planner))
+                        result, entry = self._write_item(stream, shard.name, item, planner)
+                        results.append(result)
+                        entries.append(entry)
+                    # The index footer after the last item; its place travels to finish() on one result.
+                    footer = encode_footer(entries)
+                    setattr(results[0].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
+                    stream.write(footer)
                     stream.commit()
                 except BaseException:
                     stream.abort()
@@ -248,7 +268,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _write_item(self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
+    def _write_item(
+        self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner
+    ) -> tuple[WriteResult, FooterEntry]:
         block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
         hasher = BlockHasher(block) if block else None
         data = planner.resolve_data(item)
@@ -268,11 +290,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             raw_offset, checked = self._write_tensor(stream, data, hasher, item)
         length = stream.tell() - start
         extras = ItemExtras(raw_offset, checked, block, hasher.digest() if hasher is not None else b"")
-        return WriteResult(
-            index=item.index,
-            size_in_bytes=length,
-            storage_data=storage_info(name, start, length, extras),
-        )
+        result = WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, start, length))
+        return result, FooterEntry(start, extras)
 
     def _write_tensor(
         self, stream: ObjectWriter, data: Any, hasher: BlockHasher | None, item: WriteItem
@@ -315,11 +334,19 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     # -- commit -----------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = {}
+        footers: dict[str, tuple[int, int]] = {}
         for rank_results in results:
+            if rank_results:
+                info = rank_results[0].storage_data
+                place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
+                if place is not None:
+                    footers[info.relative_path] = place
             for wr in rank_results:
                 storage[wr.index] = wr.storage_data
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
+        set_footer_table(metadata, footers)
+        share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
         metadata.version = DCP_VERSION
         body = dump_metadata(metadata)
         store = self._retrying()
@@ -336,6 +363,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             self._delete_unreferenced(metadata)
         seconds = time.perf_counter() - self._started
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
+        total += sum(length for _, length in footers.values())
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=self._last_stats.peak_buffer_bytes)
         log.info(

@@ -68,7 +68,7 @@ def verify(
     or a shard object is missing or truncated.
     """
     from ..dcp.checksum import verify_blocks
-    from ..dcp.layout import extras_of, load_metadata
+    from ..dcp.layout import load_metadata
 
     started = time.perf_counter()
     root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
@@ -85,6 +85,7 @@ def verify(
                 "`dcp-cloud ls` lists the checkpoints under a prefix"
             ) from exc
         metadata = load_metadata(body, root.url(meta_key))
+        extras_for = _ExtrasFinder(root, metadata)
 
         pieces: dict[str, list[_Piece]] = defaultdict(list)
         needed: dict[str, int] = defaultdict(int)  # key -> bytes the records say it has at least
@@ -98,7 +99,7 @@ def verify(
                 )
             key = f"{root.prefix}/{relative}"
             needed[key] = max(needed[key], int(info.offset) + int(info.length))
-            extras = extras_of(info)
+            extras = extras_for(key, relative, info, index)
             if extras is None or extras.block_size <= 0:
                 unverified += 1
                 continue
@@ -162,6 +163,41 @@ def verify(
         report.items_unverified,
     )
     return report
+
+
+class _ExtrasFinder:
+    """Each item's raw offset and checksums: from its object's index footer (read once per object), or
+    from its storage record in checkpoints written before footers."""
+
+    def __init__(self, root: _Root, metadata: Any) -> None:
+        from ..dcp.layout import footer_table
+
+        self.root = root
+        self.table = footer_table(metadata)
+        self.footers: dict[str, dict[int, Any]] = {}
+
+    def __call__(self, key: str, relative: str, info: Any, index: Any) -> Any:
+        from ..dcp.footer import fetch
+        from ..dcp.layout import extras_of
+
+        if self.table is None:
+            return extras_of(info)
+        footer = self.footers.get(key)
+        if footer is None:
+            place = self.table.get(relative)
+            if place is None:
+                raise CorruptCheckpointError(
+                    f"the metadata places no checksum footer in {self.root.url(key)}, which it references; "
+                    "the metadata is damaged or was edited"
+                )
+            footer = self.footers[key] = fetch(self.root.store, key, self.root.url(key), place)
+        extras = footer.get(int(info.offset))
+        if extras is None:
+            raise CorruptCheckpointError(
+                f"the checksum footer of {self.root.url(key)} has no entry for {index.fqn!r} at byte {info.offset}; "
+                "the metadata and the object do not belong together"
+            )
+        return extras
 
 
 def _run_jobs(root: _Root, jobs: list[_Job]) -> int:

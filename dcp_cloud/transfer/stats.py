@@ -20,6 +20,8 @@ class TransferStats:
     seconds: float = 0.0
     #: Peak bytes leased from the memory budget.
     peak_buffer_bytes: int = 0
+    #: Of ``bytes_read``, the bytes of shard objects' index footers (raw offsets and checksums).
+    index_bytes_read: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -42,6 +44,7 @@ class StatsRecorder:
         with self._lock:
             self._written = 0
             self._read = 0
+            self._index_read = 0
             self._requests: Counter[str] = Counter()
             self._retries = 0
             self._start = time.perf_counter()
@@ -68,6 +71,11 @@ class StatsRecorder:
         with self._lock:
             self._read += n
 
+    def add_index_read(self, n: int) -> None:
+        """``n`` of the bytes read were index footers (already counted by :meth:`add_read`)."""
+        with self._lock:
+            self._index_read += n
+
     def stop_clock(self) -> None:
         with self._lock:
             self._seconds = time.perf_counter() - self._start
@@ -81,4 +89,5 @@ class StatsRecorder:
                 retries=self._retries,
                 seconds=self._seconds,
                 peak_buffer_bytes=peak_buffer_bytes,
+                index_bytes_read=self._index_read,
             )

@@ -1,0 +1,194 @@
+"""The index footer of a shard object: each item's raw offset and CRC32C blocks, after the last item.
+
+Stock DCP's ``.metadata`` holds a few ``_StorageInfo`` records per item and
+is downloaded by every rank of a load, so anything we add per item there is
+paid ``world size`` times over. Our per-item extras therefore live in the
+shard object itself, after its last item, where stock torch never looks (it
+reads items by offset and length)::
+
+    header   MAGIC (8) | version u16 | reserved u16 | count u32
+    entries  count x (item offset u64 | raw offset i64 (-1: bytes item) | checked length u64
+                      | block size u32 | CRC count u32), sorted by item offset
+    crcs     the big-endian uint32 CRC32C of every block of every item, in entry order
+    trailer  CRC32C of everything above, u32
+
+The metadata keeps one ``(offset, length)`` per object
+(:func:`dcp_cloud.dcp.layout.footer_table`), not per item, so a checkpoint's
+``.metadata`` is stock-sized at any world size. A reader fetches the footer of
+each object it reads with one ranged GET (about 0.1% of the object, plus 32
+bytes per item) before it plans the object's reads; the trailer tells a
+damaged footer from damaged data.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+
+from ..errors import CorruptCheckpointError, ObjectNotFoundError
+from ..store.protocol import ObjectStore
+from ..transfer.engine import TransferEngine
+from .layout import ItemExtras
+
+MAGIC = b"DCPCKSUM"
+VERSION = 1
+_HEADER = struct.Struct(">8sHHI")
+_ENTRY = struct.Struct(">QqQII")
+_TRAILER = struct.Struct(">I")
+
+log = logging.getLogger("dcp_cloud")
+
+
+@dataclass(frozen=True, slots=True)
+class FooterEntry:
+    """One item of a shard object, as the footer records it."""
+
+    offset: int
+    extras: ItemExtras
+
+
+def encode(entries: list[FooterEntry]) -> bytes:
+    """The footer of an object holding ``entries`` (in any order)."""
+    entries = sorted(entries, key=lambda e: e.offset)
+    parts = [_HEADER.pack(MAGIC, VERSION, 0, len(entries))]
+    for entry in entries:
+        x = entry.extras
+        if len(x.crcs) % 4:
+            raise ValueError(f"CRC list of the item at offset {entry.offset} is not a whole number of CRCs")
+        raw = -1 if x.raw_offset is None else x.raw_offset
+        parts.append(_ENTRY.pack(entry.offset, raw, x.checked_length, x.block_size, len(x.crcs) // 4))
+    parts.extend(entry.extras.crcs for entry in entries)
+    body = b"".join(parts)
+    return body + _TRAILER.pack(crc32c.crc32c(body))
+
+
+def decode(data: bytes | memoryview, describe: str) -> dict[int, ItemExtras]:
+    """The extras of every item of an object, by item offset, from its footer bytes.
+
+    Raises CorruptCheckpointError naming ``describe`` (the footer's object and
+    byte range) when the bytes are not an intact footer.
+    """
+    view = memoryview(data).cast("B")
+
+    def damaged(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"the checksum footer {describe} is damaged ({why}); the object was truncated or overwritten -- "
+            "restore it from another copy or load an earlier checkpoint"
+        )
+
+    if len(view) < _HEADER.size + _TRAILER.size:
+        raise damaged(f"{len(view)} bytes, shorter than any footer")
+    body = view[: len(view) - _TRAILER.size]
+    (stored,) = _TRAILER.unpack_from(view, len(body))
+    if crc32c.crc32c(body) != stored:
+        raise damaged("its own CRC32C does not match")
+    magic, version, _, count = _HEADER.unpack_from(body, 0)
+    if magic != MAGIC or version != VERSION:
+        raise damaged(f"not a version-{VERSION} dcp_cloud footer")
+    crc_at = _HEADER.size + count * _ENTRY.size
+    if crc_at > len(body):
+        raise damaged(f"{count} entries do not fit in {len(body)} bytes")
+    out: dict[int, ItemExtras] = {}
+    blob = bytes(body[crc_at:])
+    pos = 0
+    for offset, raw, checked, block, n in _ENTRY.iter_unpack(body[_HEADER.size : crc_at]):
+        crcs = blob[pos : pos + 4 * n]
+        pos += 4 * n
+        out[offset] = ItemExtras(None if raw < 0 else raw, checked, block, crcs)
+    if pos != len(blob):
+        raise damaged(f"its entries name {pos} bytes of CRCs, it holds {len(blob)}")
+    return out
+
+
+def place_of(value: Any, describe: str) -> tuple[int, int]:
+    """``(offset, length)`` of a footer from the metadata's footer table, validated."""
+    if not isinstance(value, tuple | list) or len(value) != 2 or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise CorruptCheckpointError(f"the metadata's footer record of {describe} is malformed: {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def fetch_all(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dict[str, dict[int, ItemExtras]]:
+    """The footers of objects ``key -> (url, place)``, read in parallel (one ranged GET each) and decoded."""
+    reads = []
+    for key, (url, place) in wanted.items():
+        start, length = place_of(place, url)
+        buf = bytearray(length)
+        reads.append((key, url, start, buf, engine.read_at(key, start, [memoryview(buf)])))
+    out: dict[str, dict[int, ItemExtras]] = {}
+    failure: BaseException | None = None
+    for key, url, start, buf, future in reads:
+        try:
+            future.result()
+        except (ObjectNotFoundError, CorruptCheckpointError) as exc:
+            failure = failure or _missing(exc, url, start, len(buf))
+            continue
+        except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
+            failure = failure or exc
+            continue
+        engine.recorder.add_index_read(len(buf))
+        out[key] = _decode_or_reread(engine.store, key, start, buf, url, engine.recorder.on_retry)
+    if failure is not None:
+        raise failure
+    return out
+
+
+def _decode_or_reread(
+    store: ObjectStore,
+    key: str,
+    start: int,
+    buf: bytearray,
+    url: str,
+    on_retry: Callable[[str, BaseException], None] | None = None,
+) -> dict[int, ItemExtras]:
+    """Decode a footer; one that does not match its own CRC is read once more (it may have been damaged on
+    the way, not at rest) before it is called damaged."""
+    describe = f"of {url} (bytes {start}..{start + len(buf)})"
+    try:
+        return decode(buf, describe)
+    except CorruptCheckpointError as exc:
+        log.warning("the checksum footer %s does not match its own checksum; reading it once more", describe)
+        if on_retry is not None:
+            on_retry("read", exc)
+        store.read_into(key, start, [memoryview(buf)])
+        return decode(buf, describe)
+
+
+def fetch(store: ObjectStore, key: str, url: str, place: Any) -> dict[int, ItemExtras]:
+    """One object's footer, read with one request through ``store``."""
+    start, length = place_of(place, url)
+    buf = bytearray(length)
+    try:
+        store.read_into(key, start, [memoryview(buf)])
+    except (ObjectNotFoundError, CorruptCheckpointError) as exc:
+        raise _missing(exc, url, start, length) from exc
+    return _decode_or_reread(store, key, start, buf, url)
+
+
+def _missing(exc: BaseException, url: str, start: int, length: int) -> CorruptCheckpointError:
+    if isinstance(exc, ObjectNotFoundError):
+        why = f"{url} does not exist"
+    else:
+        why = f"{url} ends before bytes {start}..{start + length}, where the metadata places it (truncated)"
+    error = CorruptCheckpointError(
+        f"the checksum footer of {url} is missing: {why}. The checkpoint is damaged -- restore the object "
+        "from another copy or load an earlier checkpoint"
+    )
+    error.__cause__ = exc
+    return error
+
+
+def item_extras(store: ObjectStore, prefix: str, metadata: Any, info: Any) -> ItemExtras | None:
+    """What dcp_cloud recorded about the item of storage record ``info`` of the checkpoint under ``prefix``:
+    from its object's footer (format 2) or the record itself (format 1); None for stock-written items."""
+    from .layout import extras_of, footer_table
+
+    table = footer_table(metadata)
+    if table is None:
+        return extras_of(info)
+    key = f"{prefix}/{info.relative_path}" if prefix else info.relative_path
+    return fetch(store, key, store.url(key), table[info.relative_path]).get(int(info.offset))
