@@ -47,6 +47,28 @@ class CheckpointExistsError(DcpCloudError, FileExistsError):
     """A committed checkpoint already exists and ``overwrite`` is off."""
 
 
+class CheckpointInUseError(DcpCloudError, OSError):
+    """Other committed checkpoints reference objects of this one (incremental checkpoints); see ``dependents``."""
+
+    def __init__(self, message: str, dependents: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: URIs of the committed checkpoints that reference the one in question.
+        self.dependents = tuple(dependents)
+
+
+class NotACheckpointError(DcpCloudError, ValueError):
+    """A prefix holds objects that are not checkpoint objects, so dcp_cloud will not delete it; see ``objects``."""
+
+    def __init__(self, message: str, objects: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: URLs of (some of) the foreign objects.
+        self.objects = tuple(objects)
+
+
+class UnsupportedCheckpointError(DcpCloudError, NotImplementedError):
+    """The checkpoint uses a feature this operation does not handle yet (e.g. objects outside its prefix)."""
+
+
 class CorruptCheckpointError(DcpCloudError, ValueError):
     """The checkpoint's metadata or an object is malformed, truncated or foreign."""
 
@@ -67,14 +89,17 @@ __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptCheckpointError",
     "DcpCloudError",
     "InvalidURIError",
+    "NotACheckpointError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "StoreError",
     "TransientStoreError",
+    "UnsupportedCheckpointError",
 ]

@@ -43,6 +43,11 @@ def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> Checkpoi
     if not isinstance(text, str):
         raise InvalidURIError(f"checkpoint URI must be a string, got {type(text).__name__}")
     expected = " or ".join(f"{s}://" for s in schemes)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]+:/?(?!/)", text) and "://" not in text:  # s3:/x, gs:bucket
+        raise InvalidURIError(
+            f"malformed checkpoint URI {text!r}: expected {expected}<bucket>/<prefix>, "
+            f"e.g. {schemes[0]}://my-bucket/run-7/step-1000"
+        )
     if "file" in schemes and text and "://" not in text:
         text = "file://" + os.path.abspath(text)  # a plain directory path, as stock FileSystemWriter takes
     match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", text)

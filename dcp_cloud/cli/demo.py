@@ -12,6 +12,7 @@ they live at module level.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
@@ -321,26 +322,58 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> int:
-    """Run the demo; returns 0 when the loaded state is bitwise equal to the saved one, else 1."""
+def run_demo(config: DemoConfig, out: TextIO = sys.stdout, *, progress: Any = None, as_json: bool = False) -> int:
+    """Run the demo; returns 0 when the loaded state is bitwise equal to the saved one, else 1.
+
+    ``progress`` (a :class:`dcp_cloud.Progress`) hears of the phases; ``as_json`` prints one JSON object.
+    """
+    from ..maintenance.progress import or_silent
     from ..testing.multirank import run_ranks
 
-    with _sigterm_as_exit(), _server(config.backend) as (endpoint, bucket):
-        scheme = "s3" if config.backend == "s3" else "gs"
-        uri = f"{scheme}://{bucket}/demo/step-{config.steps}"
-        spec = {"backend": config.backend, "endpoint": endpoint}
-        server = "moto S3 server" if config.backend == "s3" else "fake-gcs-server"
-        print(
-            f"dcp-cloud demo: {server} at {endpoint}; model of {config.width}x{UNEVEN_ROWS} layers "
-            f"(~{config.size_mb:g} MB of parameters, plus Adam state), {config.steps} training step(s)",
-            file=out,
-            flush=True,
+    bar = or_silent(progress)
+    bar.start("demo", 4, unit="phase")
+    try:
+        with _sigterm_as_exit(), _server(config.backend) as (endpoint, bucket):
+            bar.advance(1)
+            scheme = "s3" if config.backend == "s3" else "gs"
+            uri = f"{scheme}://{bucket}/demo/step-{config.steps}"
+            spec = {"backend": config.backend, "endpoint": endpoint}
+            server = "moto S3 server" if config.backend == "s3" else "fake-gcs-server"
+            if not as_json:
+                print(
+                    f"dcp-cloud demo: {server} at {endpoint}; model of {config.width}x{UNEVEN_ROWS} layers "
+                    f"(~{config.size_mb:g} MB of parameters, plus Adam state), {config.steps} training step(s)",
+                    file=out,
+                    flush=True,
+                )
+            saved = run_ranks(config.save_ranks, _save_rank, spec, uri, config, timeout=PHASE_TIMEOUT)
+            bar.advance(1)
+            loaded = run_ranks(config.load_ranks, _load_rank, spec, uri, config, timeout=PHASE_TIMEOUT)
+            bar.advance(1)
+        reference, result = saved[0].pop("reference"), loaded[0].pop("loaded")
+        bad, tensors, nbytes = _bitwise_diff(reference, result)
+        bar.advance(1)
+    finally:
+        bar.done()
+    if as_json:
+        json.dump(
+            {
+                "backend": config.backend,
+                "endpoint": endpoint,
+                "uri": uri,
+                "save": {"ranks": config.save_ranks, "per_rank": saved},
+                "load": {"ranks": config.load_ranks, "per_rank": loaded},
+                "bitwise_equal": not bad,
+                "differing_entries": bad,
+                "tensors": tensors,
+                "tensor_bytes": nbytes,
+            },
+            out,
+            indent=2,
         )
-        saved = run_ranks(config.save_ranks, _save_rank, spec, uri, config, timeout=PHASE_TIMEOUT)
-        loaded = run_ranks(config.load_ranks, _load_rank, spec, uri, config, timeout=PHASE_TIMEOUT)
-    reference, result = saved[0].pop("reference"), loaded[0].pop("loaded")
+        print(file=out)
+        return 1 if bad else 0
     print(_table([("save", config.save_ranks, saved), ("load", config.load_ranks, loaded)]), file=out)
-    bad, tensors, nbytes = _bitwise_diff(reference, result)
     reshard = f"{config.save_ranks} -> {config.load_ranks} ranks"
     if bad:
         print(f"NOT bitwise equal after {reshard}: {len(bad)} entries differ, e.g. {bad[:5]}", file=out)

@@ -1,8 +1,14 @@
 """The ``dcp-cloud`` command (also ``python -m dcp_cloud``): a thin layer over the public API.
 
 Exit status: 0 on success; 1 when dcp_cloud reports an error (the message,
-without a traceback, goes to stderr) or the demo's loaded state differs;
-2 on usage errors (unknown options, a malformed URI); 130 on Ctrl-C.
+without a traceback, goes to stderr: a missing or uncommitted checkpoint, a
+committed destination of ``cp`` without --overwrite, a checksum mismatch,
+``rm`` refusing) or the demo's loaded state differs; 2 on usage errors
+(unknown options, a malformed URI); 130 on Ctrl-C.
+
+Every command takes --json (one JSON object on stdout instead of the table)
+and -q/--quiet (no progress bars; bars are drawn on stderr only when it is
+a terminal). The commands themselves live in :mod:`.commands`.
 """
 
 from __future__ import annotations
@@ -10,11 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
 
-PROG = "dcp-cloud"
+from .commands import COMMANDS, PROG, UsageError
 
 _DESCRIPTION = """\
 Inspect and maintain PyTorch Distributed Checkpoints in S3, GCS or a directory.
@@ -28,7 +32,10 @@ the endpoint.
 _EPILOG = """\
 examples:
   dcp-cloud ls s3://my-bucket/run-7
+  dcp-cloud inspect s3://my-bucket/run-7/step-1000 --json
   dcp-cloud verify s3://my-bucket/run-7/step-1000
+  dcp-cloud cp s3://my-bucket/run-7/step-1000 gs://other/run-7/step-1000
+  dcp-cloud rm s3://my-bucket/run-7/step-500
   dcp-cloud gc s3://my-bucket/run-7 --older-than 86400 --dry-run
   dcp-cloud demo --save-ranks 4 --load-ranks 3
 
@@ -86,11 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    store = argparse.ArgumentParser(add_help=False)
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("-v", "--verbose", action="store_true", help="log what dcp_cloud does (INFO) to stderr")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    output.add_argument("-q", "--quiet", action="store_true", help="no progress bars (drawn only on a terminal)")
+    store = argparse.ArgumentParser(add_help=False, parents=[output])
     store.add_argument("--endpoint", metavar="URL", help="S3 or GCS endpoint (an S3-compatible server, an emulator)")
     store.add_argument("--region", help="S3 region (default: AWS_REGION / the profile's)")
     store.add_argument("--project", help="GCS project (default: GOOGLE_CLOUD_PROJECT / ADC)")
-    store.add_argument("-v", "--verbose", action="store_true", help="log what dcp_cloud does (INFO) to stderr")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = commands.add_parser(
@@ -101,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("uri", metavar="URI", help="root prefix, e.g. s3://bucket/run-7 (or a whole bucket)")
 
+    inspect = commands.add_parser(
+        "inspect",
+        parents=[store],
+        help="show what a checkpoint holds",
+        description="Show whether the checkpoint at URI is committed, its save id and time, ranks and objects, "
+        "every tensor (shape, dtype, bytes, chunks), non-tensor items, checksum coverage and compression. "
+        "Reads the listing and .metadata only.",
+    )
+    inspect.add_argument("uri", metavar="URI", help="checkpoint, e.g. s3://bucket/run-7/step-1000")
+
     verify = commands.add_parser(
         "verify",
         parents=[store],
@@ -110,6 +130,37 @@ def build_parser() -> argparse.ArgumentParser:
         "are counted as unverified.",
     )
     verify.add_argument("uri", metavar="URI", help="checkpoint, e.g. s3://bucket/run-7/step-1000")
+
+    cp = commands.add_parser(
+        "cp",
+        parents=[output],
+        help="copy a committed checkpoint to another place or store",
+        description="Copy the committed checkpoint at SRC to DST (s3://, gs:// or file:// at either end; endpoints "
+        "and credentials from the environment: AWS_*, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, ADC). Within one "
+        "store the service copies the objects and they are read back to check their CRC32C; across stores they "
+        "stream through this process in bounded memory, checked as they pass. DST's .metadata is written last and "
+        "create-only: a committed DST is refused unless --overwrite.",
+    )
+    cp.add_argument("source", metavar="SRC", help="committed checkpoint to copy")
+    cp.add_argument("destination", metavar="DST", help="where the copy goes")
+    cp.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    cp.add_argument(
+        "--no-verify", action="store_true", help="within one store: skip reading the copies back to check them"
+    )
+
+    rm = commands.add_parser(
+        "rm",
+        parents=[store],
+        help="remove a checkpoint (uncommit first, then its shards)",
+        description="Remove the checkpoint at URI: .metadata first (readers then refuse it), then its shards and "
+        "pending uploads. Rerun it after an interruption to finish. Refuses if the prefix holds anything but "
+        "checkpoint objects, or if a committed checkpoint under --scan-root (default: URI's parent) references "
+        "objects of this one.",
+    )
+    rm.add_argument("uri", metavar="URI", help="checkpoint, e.g. s3://bucket/run-7/step-500")
+    rm.add_argument("--missing-ok", action="store_true", help="exit 0 when nothing is stored at URI")
+    rm.add_argument("--scan-root", metavar="URI", help="where to look for checkpoints that reference this one")
+    rm.add_argument("--no-dependents-check", action="store_true", help="do not read other checkpoints' metadata first")
 
     gc = commands.add_parser(
         "gc",
@@ -131,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
+        parents=[output],
         help="save on N ranks and load on M ranks against an embedded server",
         description="Start an embedded S3 (moto) or GCS (fake-gcs-server) server on 127.0.0.1, train a small "
         "FSDP2-sharded model on N CPU ranks, save it with model and Adam state, load it on M ranks and "
@@ -141,113 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="M", help="ranks that load (default: 3)")
     demo.add_argument("--steps", type=_non_negative_int, default=2, metavar="K", help="training steps (default: 2)")
     demo.add_argument("--size-mb", type=_size_mb, default=1.0, metavar="MB", help="model parameters in MB (default: 1)")
-    demo.add_argument("-v", "--verbose", action="store_true", help="log what dcp_cloud does (INFO) to stderr")
     return parser
-
-
-def _store_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Store options for the URI's scheme; options of another store are a usage error."""
-    scheme = args.uri.split("://", 1)[0].lower() if "://" in args.uri else ""
-    given = {name: getattr(args, name) for name in ("endpoint", "region", "project") if getattr(args, name)}
-    accepted = {
-        "s3": {"endpoint": "endpoint_url", "region": "region"},
-        "gs": {"endpoint": "endpoint", "project": "project"},
-    }
-    mapping = accepted.get(scheme, {})
-    wrong = [f"--{name}" for name in given if name not in mapping]
-    if wrong:
-        raise _UsageError(f"{', '.join(wrong)} cannot be used with {scheme or 'this'}:// URIs")
-    return {mapping[name]: value for name, value in given.items()}
-
-
-class _UsageError(Exception):
-    pass
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def _when(epoch: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch)) if epoch is not None else "-"
-
-
-def _cmd_ls(args: argparse.Namespace) -> int:
-    from ..maintenance import list_checkpoints
-
-    found = list_checkpoints(args.uri, **_store_kwargs(args))
-    if not found:
-        print(f"no checkpoints under {args.uri}")
-        return 0
-    rows = [("STATE", "OBJECTS", "SIZE", "SAVED (UTC)", "URI")]
-    for info in found:
-        rows.append(
-            (
-                "committed" if info.committed else "partial",
-                str(info.object_count),
-                _size(info.total_bytes),
-                _when(info.save_time),
-                info.uri,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:<{widths[3]}}  {row[4]}")
-    partial = sum(1 for info in found if not info.committed)
-    if partial:
-        print(f"{partial} partial checkpoint(s): saves that never committed (or are still running); see `{PROG} gc`")
-    return 0
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from ..maintenance import verify
-
-    report = verify(args.uri, **_store_kwargs(args))
-    print(
-        f"OK {report.uri}: {report.items_checked} item(s), {_size(report.bytes_verified)} match their checksums "
-        f"({report.objects} object(s), {report.seconds:.2f}s)"
-    )
-    if report.items_unverified:
-        print(f"{report.items_unverified} item(s) were saved without checksums and could not be verified")
-    return 0
-
-
-def _cmd_gc(args: argparse.Namespace) -> int:
-    from ..maintenance import gc
-
-    report = gc(args.uri, older_than=args.older_than, dry_run=args.dry_run, **_store_kwargs(args))
-    verb = "would " if report.dry_run else ""
-    for key in report.aborted_uploads:
-        print(f"{verb}abort upload  {report.url(key)}")
-    for key in report.deleted_objects:
-        print(f"{verb}delete        {report.url(key)}")
-    for what, reason in report.skipped:
-        print(f"kept            {report.url(what)}: {reason}")
-    print(
-        f"{'dry run: ' if report.dry_run else ''}{len(report.aborted_uploads)} upload(s) "
-        f"{verb}{'be ' if verb else ''}aborted, {len(report.deleted_objects)} object(s) ({_size(report.freed_bytes)}) "
-        f"{verb}{'be ' if verb else ''}deleted; {len(report.committed_checkpoints)} committed checkpoint(s) kept"
-    )
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run_demo
-
-    config = DemoConfig(
-        backend=args.backend,
-        save_ranks=args.save_ranks,
-        load_ranks=args.load_ranks,
-        steps=args.steps,
-        size_mb=args.size_mb,
-    )
-    return run_demo(config)
-
-
-_COMMANDS = {"ls": _cmd_ls, "verify": _cmd_verify, "gc": _cmd_gc, "demo": _cmd_demo}
 
 
 def _error(message: str) -> None:
@@ -280,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
         logging.getLogger("dcp_cloud").setLevel(logging.INFO)
     try:
-        return _COMMANDS[args.command](args)
-    except _UsageError as exc:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
         parser.print_usage(sys.stderr)
         _error(str(exc))
         return 2

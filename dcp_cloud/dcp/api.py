@@ -37,6 +37,12 @@ class S3Writer(CloudWriter):
     (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
     ``AWS_REGION``, ``AWS_ENDPOINT_URL[_S3]``, instance roles); ``endpoint_url``
     and ``region`` override them for S3-compatible stores (MinIO, Ceph, R2).
+
+    ``compression="zstd"`` stores every item zstd-compressed (at
+    ``compression_level``) exactly as torch's ``ZStandard`` extension does, so
+    stock ``FileSystemReader`` loads a downloaded copy (with ``zstandard``
+    installed); checksums cover the stored bytes. Compressed items are read
+    whole: resharding loads cannot fetch byte ranges of them.
     """
 
     def __init__(
@@ -52,6 +58,8 @@ class S3Writer(CloudWriter):
         checksums: bool = True,
         part_limits: PartLimits | None = None,
         staging: StagingConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -61,6 +69,8 @@ class S3Writer(CloudWriter):
             overwrite=overwrite,
             checksums=checksums,
             staging=staging,
+            compression=compression,
+            compression_level=compression_level,
         )
 
     @classmethod
@@ -127,6 +137,8 @@ class GCSWriter(CloudWriter):
         overwrite: bool = False,
         checksums: bool = True,
         staging: StagingConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -136,6 +148,8 @@ class GCSWriter(CloudWriter):
             overwrite=overwrite,
             checksums=checksums,
             staging=staging,
+            compression=compression,
+            compression_level=compression_level,
         )
 
     @classmethod
@@ -185,6 +199,8 @@ class LocalWriter(CloudWriter):
         overwrite: bool = False,
         checksums: bool = True,
         staging: StagingConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -194,6 +210,8 @@ class LocalWriter(CloudWriter):
             overwrite=overwrite,
             checksums=checksums,
             staging=staging,
+            compression=compression,
+            compression_level=compression_level,
         )
 
 

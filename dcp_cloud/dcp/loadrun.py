@@ -28,7 +28,7 @@ import bisect
 import io
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,7 @@ from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
+from .compression import decode
 from .layout import ItemExtras
 from .readplan import FRAMING_GAP, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
@@ -223,8 +224,18 @@ class LoadRun:
         return grant
 
     # -- whole items (stock-written tensors, bytes) ------------------------
-    def start_whole(self, req: ReadItem, key: str, info: Any, extras: ItemExtras | None, what: str) -> None:
-        """Read a whole stored item: bytes items, and tensors written by stock torch."""
+    def start_whole(
+        self,
+        req: ReadItem,
+        key: str,
+        info: Any,
+        extras: ItemExtras | None,
+        what: str,
+        *,
+        transforms: Sequence[str] | None = None,
+    ) -> None:
+        """Read a whole stored item: bytes items, tensors written by stock torch, compressed items
+        (``transforms``: their descriptors, undone after the stored bytes are checked)."""
         lease = self.lease(info.length)
         buf = bytearray(info.length)
         if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
@@ -235,11 +246,12 @@ class LoadRun:
         planner = self.planner
 
         def finish() -> None:
+            data = decode(transforms, buf, what) if transforms else buf
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(buf))
+                planner.load_bytes(req, io.BytesIO(data))
                 return
             try:
-                saved = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # any failure means unreadable bytes
                 raise CorruptCheckpointError(
                     f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"

@@ -19,7 +19,8 @@ to whole checksum blocks when verifying, and packs the runs of all items of
 an object into few ranged GETs whose bodies are scattered straight into the
 destination tensors (see :mod:`dcp_cloud.dcp.loadrun` and
 :mod:`dcp_cloud.dcp.readplan`). Items written by stock torch carry no raw
-offsets: they are read whole and sliced, as stock torch does.
+offsets: they are read whole and sliced, as stock torch does; so are
+compressed items (torch's ZStandard extension, see :mod:`.compression`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
 from .backend import Backend
 from .base import CloudBase, log
+from .compression import check_descriptors
 from .footer import fetch_all
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import ChunkIndex, LoadRun
@@ -206,13 +208,12 @@ class CloudReader(CloudBase, StorageReader):
             key = self.uri.key(info.relative_path)
             url, coalesced = by_key[key]
             what = f"{req.storage_index.fqn!r} from {url}"
-            if transform_descriptors(info):
-                raise CorruptCheckpointError(
-                    f"{what} was written with stream transforms {transform_descriptors(info)!r}, "
-                    "which dcp_cloud does not read; load it with torch's FileSystemReader"
-                )
             extras = self._extras(footers, key, info, what)
-            if req.type == LoadItemType.BYTE_IO:
+            descs = transform_descriptors(info)
+            if descs:  # compressed: read whole, checked against the stored bytes, then decoded
+                check_descriptors(descs, what)
+                run.start_whole(req, key, info, extras, what, transforms=descs)
+            elif req.type == LoadItemType.BYTE_IO:
                 run.start_whole(req, key, info, extras, what)
             elif extras is None or extras.raw_offset is None:
                 run.start_whole(req, key, info, None, what)

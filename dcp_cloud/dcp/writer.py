@@ -33,6 +33,7 @@ from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..planner.load import share_chunk_lists
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
+from . import compression as _compression
 from . import framing
 from .backend import Backend
 from .base import CloudBase, log
@@ -120,10 +121,16 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         overwrite: bool = False,
         checksums: bool = True,
         staging: StagingConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
+        _compression.validate(compression, compression_level)
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         self.overwrite = overwrite
         self.checksums = checksums
+        #: ``"zstd"``: every item stored as torch's ZStandard extension stores it (see .compression).
+        self.compression = compression
+        self.compression_level = compression_level
         self.staging = staging or StagingConfig()
         #: Leases of staged states whose data this writer has not written yet, oldest first.
         self._leases: list[Lease] = []
@@ -274,6 +281,14 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
         hasher = BlockHasher(block) if block else None
         data = planner.resolve_data(item)
+        if self.compression is not None:
+            start = stream.tell()
+            _compression.write_item(stream, data, hasher, self.compression_level)
+            length = stream.tell() - start
+            extras = ItemExtras(None, length, block, hasher.digest() if hasher is not None else b"")
+            info = storage_info(name, start, length)
+            info.transform_descriptors = _compression.descriptors(self.compression)
+            return WriteResult(index=item.index, size_in_bytes=length, storage_data=info), FooterEntry(start, extras)
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO)
             tap = _ItemTap(stream, None, None)

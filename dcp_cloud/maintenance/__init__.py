@@ -1,6 +1,8 @@
-"""Housekeeping of checkpoints in a bucket: list them, verify them, collect what failed saves left.
+"""Housekeeping of checkpoints in a bucket: list, inspect, verify, copy and remove them, collect what
+failed saves left. One module per operation: ``listing``, ``inspection``, ``verification``, ``copying``,
+``removal``, ``collect`` (gc); ``dependents`` finds checkpoints that reference others.
 
-All three functions take a URI and the same keyword arguments:
+The functions take a URI and the same keyword arguments:
 
 * ``uri``: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///dir``.
   :func:`list_checkpoints` and :func:`gc` treat it as a *root* under which
@@ -30,7 +32,31 @@ deletion, so a save that commits while gc runs is left alone.
 
 from .collect import gc
 from .common import CheckpointInfo, GCReport, VerifyReport, log  # noqa: F401 - log: public name of the old module
+from .copying import CopyReport, copy_checkpoint
+from .dependents import dependents_of
+from .inspection import InspectReport, ItemEntry, ObjectEntry, TensorEntry, inspect_checkpoint
 from .listing import list_checkpoints
+from .progress import NoProgress, Progress
+from .removal import RemoveReport, remove_checkpoint
 from .verification import verify
 
-__all__ = ["CheckpointInfo", "GCReport", "VerifyReport", "gc", "list_checkpoints", "verify"]
+__all__ = [
+    "CheckpointInfo",
+    "CopyReport",
+    "GCReport",
+    "InspectReport",
+    "ItemEntry",
+    "NoProgress",
+    "ObjectEntry",
+    "Progress",
+    "RemoveReport",
+    "TensorEntry",
+    "VerifyReport",
+    "copy_checkpoint",
+    "dependents_of",
+    "gc",
+    "inspect_checkpoint",
+    "list_checkpoints",
+    "remove_checkpoint",
+    "verify",
+]

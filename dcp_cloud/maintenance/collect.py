@@ -15,6 +15,7 @@ from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI
 from .common import _METADATA, GCReport, _basename, _dirname, _group, _is_shard, _newest, _open, _Root, log
+from .progress import Progress, or_silent
 
 
 @dataclass
@@ -186,6 +187,7 @@ def gc(
     transfer: TransferConfig | None = None,
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
+    progress: Progress | None = None,
     **store_kwargs: Any,
 ) -> GCReport:
     """Remove what failed saves left under the root ``uri``; returns what was removed.
@@ -203,6 +205,7 @@ def gc(
     checkpoint whose metadata cannot be read is left alone and listed in
     ``skipped``. With ``dry_run`` nothing is changed and the report says what
     would have been. Removed keys are logged at INFO on ``dcp_cloud.maintenance``.
+    ``progress`` hears of each checkpoint prefix examined.
     """
     if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or older_than < 0:
         raise ConfigError(f"older_than must be a non-negative number of seconds, got {older_than!r}")
@@ -215,11 +218,17 @@ def gc(
         by_prefix: dict[str, list[_Upload]] = defaultdict(list)
         for up in uploads:
             by_prefix[_dirname(up.full_key)].append(up)
-        for prefix, objs in groups.items():
-            if any(_basename(o.key) == _METADATA for o in objs):
-                run.committed_checkpoint(prefix, objs)
-            else:
-                run.uncommitted(prefix, objs, by_prefix.get(prefix, []))
+        bar = or_silent(progress)
+        bar.start(f"gc {uri}", len(groups), unit="checkpoint")
+        try:
+            for prefix, objs in groups.items():
+                if any(_basename(o.key) == _METADATA for o in objs):
+                    run.committed_checkpoint(prefix, objs)
+                else:
+                    run.uncommitted(prefix, objs, by_prefix.get(prefix, []))
+                bar.advance(1)
+        finally:
+            bar.done()
         run.abort_uploads(uploads)
         report = run.report()
     finally:

@@ -115,6 +115,9 @@ class _Root:
     retry: RetryConfig
     #: Whether this module opened the store (and so closes it).
     owned: bool
+    #: The recipe the store was opened with (None for an explicit store=): equal backends reach the same
+    #: service with the same credentials, so objects can be copied between them server-side.
+    backend: Any = None
 
     def close(self) -> None:
         if self.owned:
@@ -188,7 +191,32 @@ def _open(
     else:
         backend = LocalBackend()
     raw = backend.open_store(parsed.bucket, transfer, retry)
-    return _Root(parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(raw, retry), raw, transfer, retry, True)
+    return _Root(
+        parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(raw, retry), raw, transfer, retry, True, backend
+    )
+
+
+def _read_committed(root: _Root) -> tuple[Any, bytes]:
+    """The committed metadata of the checkpoint at ``root`` and its bytes; CheckpointNotFoundError if none."""
+    from ..dcp.layout import load_metadata
+    from ..errors import CheckpointNotFoundError, ObjectNotFoundError
+
+    checkpoint = root.checkpoint_uri(root.prefix)
+    meta_key = f"{root.prefix}/{_METADATA}"
+    try:
+        body = root.store.get(meta_key)
+    except ObjectNotFoundError as exc:
+        root.store.check_bucket()
+        if any(True for _ in root.store.list(root.list_prefix())):
+            raise CheckpointNotFoundError(
+                f"{checkpoint} is not committed (it has objects but no {_METADATA}): the save that wrote it never "
+                "finished, or is still running. Use an earlier checkpoint; `dcp-cloud gc` removes such leftovers"
+            ) from exc
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {checkpoint}: nothing is stored under that prefix; "
+            "`dcp-cloud ls` lists the checkpoints under a prefix"
+        ) from exc
+    return load_metadata(body, root.url(meta_key)), body
 
 
 def _dirname(key: str) -> str:

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
+from ..errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from .common import _METADATA, VerifyReport, _open, _Root, log
+from .progress import Progress, or_silent
 
 
 @dataclass
@@ -54,6 +55,7 @@ def verify(
     transfer: TransferConfig | None = None,
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
+    progress: Progress | None = None,
     **store_kwargs: Any,
 ) -> VerifyReport:
     """Read every checksummed byte of the committed checkpoint at ``uri`` and check its CRC32C.
@@ -63,7 +65,7 @@ def verify(
     bytes in flight, whatever the checkpoint's size. Stops at the **first**
     mismatch, raising ChecksumMismatchError naming the item, the object and
     the byte range. Items saved without checksums (stock torch) are counted
-    as unverified, not as errors. Raises CheckpointNotFoundError if nothing is
+    as unverified, not as errors. ``progress`` hears of the bytes read. Raises CheckpointNotFoundError if nothing is
     committed at ``uri``, CorruptCheckpointError if the metadata is unreadable
     or a shard object is missing or truncated.
     """
@@ -85,7 +87,7 @@ def verify(
                 "`dcp-cloud ls` lists the checkpoints under a prefix"
             ) from exc
         metadata = load_metadata(body, root.url(meta_key))
-        extras_for = _ExtrasFinder(root, metadata)
+        extras_for = ExtrasFinder(root, metadata)
 
         pieces: dict[str, list[_Piece]] = defaultdict(list)
         needed: dict[str, int] = defaultdict(int)  # key -> bytes the records say it has at least
@@ -99,7 +101,7 @@ def verify(
                 )
             key = f"{root.prefix}/{relative}"
             needed[key] = max(needed[key], int(info.offset) + int(info.length))
-            extras = extras_for(key, relative, info, index)
+            extras = extras_for(relative, info, index)
             if extras is None or extras.block_size <= 0:
                 unverified += 1
                 continue
@@ -144,7 +146,12 @@ def verify(
             for key in sorted(pieces)
             for job in _jobs_for(key, pieces[key], max(chunk_target, 1), root.transfer.coalesce_gap)
         ]
-        verified = _run_jobs(root, jobs)
+        bar = or_silent(progress)
+        bar.start(f"verify {checkpoint}", sum(job.end - job.start for job in jobs))
+        try:
+            verified = _run_jobs(root, jobs, bar)
+        finally:
+            bar.done()
     finally:
         root.close()
     report = VerifyReport(
@@ -165,9 +172,10 @@ def verify(
     return report
 
 
-class _ExtrasFinder:
+class ExtrasFinder:
     """Each item's raw offset and checksums: from its object's index footer (read once per object), or
-    from its storage record in checkpoints written before footers."""
+    from its storage record in checkpoints written before footers. The one place maintenance code learns
+    where an item's checksums live."""
 
     def __init__(self, root: _Root, metadata: Any) -> None:
         from ..dcp.layout import footer_table
@@ -176,12 +184,13 @@ class _ExtrasFinder:
         self.table = footer_table(metadata)
         self.footers: dict[str, dict[int, Any]] = {}
 
-    def __call__(self, key: str, relative: str, info: Any, index: Any) -> Any:
+    def __call__(self, relative: str, info: Any, index: Any) -> Any:
         from ..dcp.footer import fetch
         from ..dcp.layout import extras_of
 
         if self.table is None:
             return extras_of(info)
+        key = f"{self.root.prefix}/{relative}"
         footer = self.footers.get(key)
         if footer is None:
             place = self.table.get(relative)
@@ -200,7 +209,7 @@ class _ExtrasFinder:
         return extras
 
 
-def _run_jobs(root: _Root, jobs: list[_Job]) -> int:
+def _run_jobs(root: _Root, jobs: list[_Job], progress: Progress) -> int:
     """Read and check every job with bounded memory; returns the bytes verified."""
     verified = 0
     with TransferEngine(root.raw, root.transfer, root.retry) as engine:
@@ -216,6 +225,7 @@ def _run_jobs(root: _Root, jobs: list[_Job]) -> int:
                 for piece in job.pieces:
                     rel = piece.start - job.start
                     piece.check(piece.region_offset, view[rel : rel + piece.length])
+                progress.advance(job.end - job.start)
                 return sum(p.length for p in job.pieces)
             finally:
                 budget.release(len(buf))
@@ -236,3 +246,105 @@ def _run_jobs(root: _Root, jobs: list[_Job]) -> int:
                     fut.exception()
                 budget.release(len(buf))
     return verified
+
+
+# --------------------------------------------------------------------------
+# Checking an object as its bytes stream past (cp)
+
+
+@dataclass
+class _Region:
+    start: int  # object offset of the checked bytes
+    end: int
+    block_size: int
+    crcs: bytes
+    what: str
+
+
+class StreamChecker:
+    """Checks the CRC32C of every checksummed item of one object while the object's bytes pass in order.
+
+    Feed the whole object, from byte 0, with :meth:`update`; a mismatch raises
+    ChecksumMismatchError naming the item and the byte range as soon as the
+    item's last byte has passed. :meth:`finish` raises CorruptCheckpointError
+    if the object ended before an item did.
+    """
+
+    def __init__(self, regions: list[_Region], url: str) -> None:
+        self._regions = sorted(regions, key=lambda r: r.start)
+        self._url = url
+        self._next = 0  # first region not finished
+        self._hasher: Any = None
+        self._pos = 0
+
+    def update(self, data: memoryview) -> None:
+        from ..dcp.checksum import BlockHasher
+
+        end = self._pos + len(data)
+        while self._next < len(self._regions):
+            region = self._regions[self._next]
+            lo, hi = max(region.start, self._pos), min(region.end, end)
+            if lo < hi:
+                if self._hasher is None:
+                    self._hasher = BlockHasher(region.block_size)
+                self._hasher.update(data[lo - self._pos : hi - self._pos])
+            if region.end > end:
+                break
+            self._close(region)
+        self._pos = end
+
+    def _close(self, region: _Region) -> None:
+        got = self._hasher.digest() if self._hasher is not None else b""
+        self._hasher = None
+        self._next += 1
+        if got == region.crcs:
+            return
+        for block in range(max(len(got), len(region.crcs)) // 4):
+            want, have = region.crcs[4 * block : 4 * block + 4], got[4 * block : 4 * block + 4]
+            if want != have:
+                first = region.start + block * region.block_size
+                last = min(region.end, first + region.block_size)
+                stored, read = int.from_bytes(want or bytes(4), "big"), int.from_bytes(have or bytes(4), "big")
+                raise ChecksumMismatchError(
+                    f"checksum mismatch in {region.what}, bytes {first}..{last} (block {block}: stored CRC32C "
+                    f"{stored:#010x}, read {read:#010x}); the stored object is corrupted -- restore it from another "
+                    "copy or load an earlier checkpoint"
+                )
+
+    def finish(self) -> None:
+        self.update(memoryview(b""))  # items of no bytes at the very end
+        if self._next < len(self._regions):
+            raise CorruptCheckpointError(
+                f"{self._url} ended at byte {self._pos}, inside {self._regions[self._next].what}: "
+                "the object is truncated"
+            )
+
+
+def stream_checkers(
+    metadata: Any, url_of: Callable[[str], str], extras_for: ExtrasFinder
+) -> tuple[dict[str, list[_Region]], int, int]:
+    """Per relative object path, the checked regions of its items; and the items with and without checksums.
+
+    Use with :func:`stream_checker`. ``url_of(relative_path)`` names an object in messages; ``extras_for``
+    finds each item's checksums (reading each object's footer once).
+    """
+    regions: dict[str, list[_Region]] = defaultdict(list)
+    checked = unverified = 0
+    for index, info in metadata.storage_data.items():
+        extras = extras_for(str(info.relative_path), info, index)
+        if extras is None or extras.block_size <= 0:
+            unverified += 1
+            continue
+        checked += 1
+        base = int(info.offset) + (extras.raw_offset or 0)
+        chunk = "" if index.offset is None else f" (chunk at {list(index.offset)})"
+        what = f"{index.fqn!r}{chunk} in {url_of(info.relative_path)}"
+        regions[info.relative_path].append(
+            _Region(base, base + extras.checked_length, extras.block_size, extras.crcs, what)
+        )
+    return regions, checked, unverified
+
+
+def stream_checker(regions: list[_Region], url: str) -> StreamChecker:
+    """A fresh :class:`StreamChecker` for one object's regions (from :func:`stream_checkers`)."""
+    return StreamChecker(regions, url)

@@ -209,6 +209,23 @@ class LocalStore:
             raise self._error(exc, key, "write") from exc
         return ObjectInfo(key, payload_size(views), str(mtime), mtime / 1e9)
 
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        """A file copy (``source_bucket``: another root directory), published atomically like :meth:`put`."""
+        source = (self if source_bucket is None else LocalStore(source_bucket, fsync=False))._path(source_key)
+        final = self._path(key)
+        tmp: Path | None = None
+        try:
+            fd, tmp = self._open_tmp(final.parent)
+            with open(source, "rb") as src, os.fdopen(os.dup(fd), "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+            mtime = self._finish_tmp(fd)
+            self._publish(tmp, final, False)
+        except OSError as exc:
+            if tmp is not None and tmp.exists():
+                os.unlink(tmp)
+            raise self._error(exc, source_key if not source.exists() else key, "copy") from exc
+        return ObjectInfo(key, final.stat().st_size, str(mtime), mtime / 1e9)
+
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
         views = [_out_view(o) for o in outs]
         total = sum(len(v) for v in views)

@@ -100,6 +100,15 @@ class MemoryStore:
             for key in keys:
                 self._objects.pop(key, None)
 
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        if source_bucket not in (None, self.bucket):
+            raise StoreError(f"a MemoryStore copies inside its own bucket only, not from {source_bucket!r}")
+        with self._lock:
+            data = self._objects.get(source_key)
+        if data is None:
+            raise ObjectNotFoundError(f"{self.url(source_key)} does not exist")
+        return self._store(key, data, create_only=False)
+
     def create_multipart(self, key: str) -> str:
         upload_id = f"mpu-{next(self._ids)}"
         with self._lock:

@@ -121,6 +121,16 @@ class ObjectStore(Protocol):
         """Delete objects; keys that do not exist are ignored."""
         ...
 
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        """Copy ``source_key`` to ``key`` inside the service, the bytes never passing through this process.
+
+        ``source_bucket`` names another bucket of the same service and account
+        (default: this store's bucket). Replaces ``key`` if it exists;
+        ObjectNotFoundError if the source does not exist. S3: CopyObject, or
+        UploadPartCopy above 5 GiB; GCS: rewrite; local: a file copy.
+        """
+        ...
+
     def create_multipart(self, key: str) -> str:
         """Start a multipart upload of ``key``; returns its upload id."""
         ...

@@ -57,6 +57,9 @@ class StoreWrapper:
     def delete(self, keys: Sequence[str]) -> None:
         self._call("delete", lambda: self.inner.delete(keys))
 
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        return self._call("copy", lambda: self.inner.copy(source_key, key, source_bucket=source_bucket))
+
     def create_multipart(self, key: str) -> str:
         return self._call("create_multipart", lambda: self.inner.create_multipart(key))
 

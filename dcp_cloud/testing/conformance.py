@@ -206,6 +206,28 @@ class ObjectStoreConformance:
             store.head("no/such/key")
         assert isinstance(info.value, FileNotFoundError)
 
+    # -- server-side copies -------------------------------------------------------------
+
+    def test_copy_within_the_bucket(self, store: ObjectStore) -> None:
+        data = _blob(300_000, 21)
+        store.put("cp/src", data)
+        store.put("cp/dst", b"old")
+        info = store.copy("cp/src", "cp/dst")
+        assert info.key == "cp/dst" and info.size == len(data)
+        assert store.get("cp/dst") == data
+        assert store.get("cp/src") == data
+        assert store.head("cp/dst").size == len(data)
+
+    def test_copy_empty_object(self, store: ObjectStore) -> None:
+        store.put("cp/empty", b"")
+        store.copy("cp/empty", "cp/empty-copy")
+        assert store.get("cp/empty-copy") == b""
+
+    def test_copy_missing_source(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFoundError):
+            store.copy("cp/no-such-source", "cp/dst")
+        assert list(store.list("cp/dst")) == []
+
     # -- listing and deleting ----------------------------------------------------------
 
     def test_list_by_prefix_in_key_order(self, store: ObjectStore) -> None:

@@ -59,6 +59,7 @@ STORE_OPS = frozenset(
         "complete_multipart",
         "abort_multipart",
         "list_multipart",
+        "copy",
     }
 )
 

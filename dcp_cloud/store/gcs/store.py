@@ -25,6 +25,7 @@ from ..payload import Buffer, Payload, ScatterReader, payload_bytes, payload_crc
 from ..protocol import ObjectInfo, PartLimits
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
 from .config import GCSConfig, _require, _resolve_credentials
+from .copy import rewrite_object
 from .errors import _translate, _url
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -426,6 +427,9 @@ class GCSStore(_CompositeUploads):
         except Exception as exc:
             raise self._error(exc, key) from exc
         return ObjectInfo(key, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
+
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        return rewrite_object(self, source_key, key, source_bucket)
 
     def _iter_blobs(self, prefix: str) -> Iterator[storage.Blob]:
         try:

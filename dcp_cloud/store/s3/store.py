@@ -15,6 +15,7 @@ from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, Transie
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
 from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 from .config import S3Config, _require
+from .copy import copy_object
 from .errors import _s3_url, _translate
 
 MiB = 1024 * 1024
@@ -99,6 +100,8 @@ class S3Store:
     """
 
     scheme = "s3"
+    #: Largest object copied with one CopyObject, and the part size of larger copies (S3's limit).
+    copy_part_size = 5 * 1024 * 1024 * 1024
     #: Keys asked for per ListObjectsV2 / ListMultipartUploads page.
     _list_page_size = 1000
 
@@ -397,6 +400,9 @@ class S3Store:
                     {"Error": {"Code": err.get("Code"), "Message": err.get("Message")}}, "DeleteObjects"
                 )
                 raise self._fail(cause, err.get("Key"), "delete") from cause
+
+    def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
+        return copy_object(self, source_key, key, source_bucket)
 
     def create_multipart(self, key: str) -> str:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}

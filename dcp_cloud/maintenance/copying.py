@@ -1,0 +1,303 @@
+"""cp: copy a committed checkpoint to another location, in any store, and commit it there last.
+
+Two ways, chosen per call:
+
+* **server-side** when both ends are the same service reached with the
+  same configuration (two S3 URIs with the same endpoint and profile, two
+  GCS URIs, two directories): each shard object is copied by the service
+  (S3 CopyObject / UploadPartCopy, GCS rewrite, a file copy), then read
+  back once through the transfer engine to check every CRC32C
+  (``verify=False`` skips that read);
+* **streaming** otherwise: each shard is read in ranged GETs of
+  ``transfer.read_chunk_size`` and written through a multipart upload, every
+  CRC32C checked as the bytes pass. Memory stays bounded: at most
+  ``transfer.memory_budget`` bytes of reads in flight plus the upload's
+  ``part_size x max_inflight_parts``, whatever the checkpoint's size.
+
+The destination's ``.metadata`` (the source's, byte for byte) is written
+last and create-only, so the copy is committed only once every shard is in
+place; a committed destination is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..errors import (
+    CheckpointExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    UnsupportedCheckpointError,
+)
+from ..store.protocol import ObjectStore
+from ..transfer.engine import TransferEngine
+from ..transfer.upload import open_writer
+from .common import _METADATA, _is_shard, _open, _read_committed, _Root, log
+from .progress import Progress, or_silent
+from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
+
+
+@dataclass(frozen=True)
+class CopyReport:
+    """What :func:`copy_checkpoint` copied."""
+
+    source: str
+    destination: str
+    #: Shard objects copied (``.metadata`` not counted).
+    objects: int
+    #: Bytes of the shard objects copied.
+    bytes_copied: int
+    #: Whether the service copied the objects (False: streamed through this process).
+    server_side: bool
+    #: Items whose CRC32C was checked on the bytes read.
+    items_verified: int
+    #: Items without checksums (stock torch), or every item when ``verify=False`` on a server-side copy.
+    items_unverified: int
+    #: Whether a committed checkpoint at the destination was replaced.
+    overwrote: bool
+    seconds: float
+
+
+def copy_checkpoint(
+    source: str,
+    destination: str,
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    transfer: TransferConfig | None = None,
+    retry: RetryConfig | None = None,
+    source_store: ObjectStore | None = None,
+    destination_store: ObjectStore | None = None,
+    source_options: dict[str, Any] | None = None,
+    destination_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy the committed checkpoint at ``source`` to ``destination`` (any of s3://, gs://, file://).
+
+    ``source_options`` / ``destination_options`` are the store options of
+    each end (as the maintenance functions take them: ``endpoint_url``,
+    ``region`` for S3; ``project``, ``endpoint`` for GCS); ``source_store`` /
+    ``destination_store`` an already open store instead. Raises
+    CheckpointNotFoundError if ``source`` is not committed,
+    CheckpointExistsError if ``destination`` is (and ``overwrite`` is off, or
+    another copy commits it meanwhile), ChecksumMismatchError /
+    CorruptCheckpointError if a source object is damaged (nothing is
+    committed then), UnsupportedCheckpointError for a checkpoint referencing
+    objects outside its prefix. ``progress`` hears of the bytes copied.
+    """
+    started = time.perf_counter()
+    src = _open(source, transfer, retry, dict(source_options or {}), root=False, store=source_store)
+    try:
+        dst = _open(destination, transfer, retry, dict(destination_options or {}), root=False, store=destination_store)
+    except BaseException:
+        src.close()
+        raise
+    try:
+        return _copy(src, dst, overwrite, verify, or_silent(progress), started)
+    finally:
+        src.close()
+        dst.close()
+
+
+def _same_service(src: _Root, dst: _Root) -> bool:
+    if src.scheme != dst.scheme:
+        return False
+    if src.backend is None or dst.backend is None:
+        return src.raw is dst.raw
+    return bool(src.backend == dst.backend)
+
+
+def _copy(src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, started: float) -> CopyReport:
+    source, destination = src.checkpoint_uri(src.prefix), dst.checkpoint_uri(dst.prefix)
+    if _same_service(src, dst) and (src.bucket, src.prefix) == (dst.bucket, dst.prefix):
+        raise ConfigError(f"cp source and destination are the same checkpoint ({source})")
+    metadata, body = _read_committed(src)
+    names = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
+    outside = [n for n in names if "/" in n or n in ("", ".", "..")]
+    if outside:
+        raise UnsupportedCheckpointError(
+            f"{source} references objects outside its prefix (e.g. {outside[0]!r}, an incremental checkpoint); "
+            "cp copies self-contained checkpoints only"
+        )
+    dst.store.check_bucket()
+    meta_key = f"{dst.prefix}/{_METADATA}"
+    try:
+        dst.store.head(meta_key)
+        committed = True
+    except ObjectNotFoundError:
+        committed = False
+    if committed and not overwrite:
+        raise CheckpointExistsError(
+            f"{destination} already holds a committed checkpoint; pass overwrite=True (--overwrite) to replace it"
+        )
+    sizes = _source_sizes(src, metadata, names)
+    regions, checked, unchecked = stream_checkers(
+        metadata, lambda name: src.url(f"{src.prefix}/{name}"), ExtrasFinder(src, metadata)
+    )
+    server_side = _same_service(src, dst)
+    bar.start(f"cp {source} -> {destination}", sum(sizes.values()))
+    try:
+        if server_side:
+            _copy_server_side(src, dst, sizes, bar)
+            if verify:
+                _check_copies(dst, sizes, regions)
+            else:
+                checked, unchecked = 0, checked + unchecked
+        else:
+            _copy_streaming(src, dst, sizes, regions, bar)
+    finally:
+        bar.done()
+    try:
+        dst.store.put(meta_key, body, create_only=not overwrite)
+    except PreconditionFailedError as exc:
+        raise CheckpointExistsError(
+            f"{destination} was committed by someone else while cp ran; nothing of this copy is referenced there"
+        ) from exc
+    if overwrite:
+        _delete_unreferenced(dst, set(names))
+    report = CopyReport(
+        source=source,
+        destination=destination,
+        objects=len(sizes),
+        bytes_copied=sum(sizes.values()),
+        server_side=server_side,
+        items_verified=checked,
+        items_unverified=unchecked,
+        overwrote=committed,
+        seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "copied %s to %s: %d object(s), %d bytes (%s), %d item(s) verified",
+        source,
+        destination,
+        report.objects,
+        report.bytes_copied,
+        "server-side" if server_side else "streamed",
+        report.items_verified,
+    )
+    return report
+
+
+def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]:
+    """Size of each referenced source object; CorruptCheckpointError if one is missing or truncated."""
+    needed: dict[str, int] = {name: 0 for name in names}
+    for info in metadata.storage_data.values():
+        name = str(info.relative_path)
+        needed[name] = max(needed[name], int(info.offset) + int(info.length))
+    sizes = {}
+    for name in names:
+        key = f"{src.prefix}/{name}"
+        try:
+            size = src.store.head(key).size
+        except ObjectNotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"{src.url(key)}, which the committed metadata references, does not exist; the source is damaged"
+            ) from exc
+        if size < needed[name]:
+            raise CorruptCheckpointError(
+                f"{src.url(key)} has {size} bytes but the metadata places items up to byte {needed[name]}: "
+                "the object is truncated"
+            )
+        sizes[name] = size
+    return sizes
+
+
+def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progress) -> None:
+    source_bucket = None if src.bucket == dst.bucket else src.bucket
+    with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
+        store = engine.store
+
+        def copy(name: str) -> None:
+            store.copy(f"{src.prefix}/{name}", f"{dst.prefix}/{name}", source_bucket=source_bucket)
+
+        futures: dict[Future[Any], str] = {engine.submit(copy, name): name for name in sizes}
+        try:
+            for fut in as_completed(futures):
+                fut.result()
+                bar.advance(sizes[futures[fut]])
+        finally:
+            for fut in futures:
+                fut.cancel()
+
+
+def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any]) -> None:
+    """Read the server-side copies back and check every CRC32C against the source's metadata."""
+    with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
+        for name, size in sizes.items():
+            key = f"{dst.prefix}/{name}"
+            if name in regions:
+                _stream(engine, key, size, stream_checker(regions[name], dst.url(key)), None, None)
+
+
+def _copy_streaming(src: _Root, dst: _Root, sizes: dict[str, int], regions: dict[str, Any], bar: Progress) -> None:
+    with (
+        TransferEngine(src.raw, src.transfer, src.retry) as reads,
+        TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,
+    ):
+        for name, size in sizes.items():
+            key = f"{dst.prefix}/{name}"
+            checker = stream_checker(regions.get(name, []), src.url(f"{src.prefix}/{name}"))
+            writer = open_writer(writes, key, size)
+            try:
+                _stream(reads, f"{src.prefix}/{name}", size, checker, writer, bar)
+                writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+
+
+def _stream(
+    engine: TransferEngine, key: str, size: int, checker: StreamChecker, writer: Any, bar: Progress | None
+) -> None:
+    """Read ``key`` in order through ``engine`` (bounded by its budget), checking and passing on each chunk."""
+    chunk = max(1, engine.config.read_chunk_size)
+    budget = engine.budget
+    pending: deque[tuple[bytearray, Future[None]]] = deque()
+
+    def land() -> None:
+        buf, fut = pending.popleft()
+        try:
+            fut.result()
+            view = memoryview(buf)
+            checker.update(view)
+            if writer is not None:
+                writer.write(view)
+            if bar is not None:
+                bar.advance(len(buf))
+        finally:
+            budget.release(len(buf))
+
+    try:
+        for start in range(0, size, chunk):
+            length = min(chunk, size - start)
+            while pending and budget.used + length > budget.capacity:
+                land()
+            budget.acquire(length)
+            buf = bytearray(length)
+            pending.append((buf, engine.read_at(key, start, [memoryview(buf)])))
+        while pending:
+            land()
+        checker.finish()
+    finally:
+        for buf, fut in pending:  # after a failure: let reads end before their buffers go
+            fut.exception()
+            budget.release(len(buf))
+
+
+def _delete_unreferenced(dst: _Root, keep: set[str]) -> None:
+    """After an overwrite commit: shards of the replaced checkpoint that the new metadata does not reference."""
+    prefix = dst.list_prefix()
+    stale = [
+        o.key
+        for o in dst.store.list(prefix)
+        if "/" not in o.key[len(prefix) :] and _is_shard(o.key) and o.key[len(prefix) :] not in keep
+    ]
+    if stale:
+        dst.store.delete(stale)
