@@ -265,7 +265,8 @@ def render(rows_: list[dict[str, Any]], args: argparse.Namespace, env: dict[str,
     t = TransferConfig()
     bw = args.bandwidth_gbs * 1e9
     lines = [
-        f"# Planning at scale ({env.get('date', '')}, {env.get('machine', '')})",
+        f"# Planning at scale ({env.get('time', '')[:10]}, {env.get('cpus')} CPUs, {env.get('mem_total_mib')} MiB, "
+        f"load average {env.get('loadavg_start')} -> {env.get('loadavg_end')}, torch {env.get('torch')})",
         "",
         "Coordinator: the writer's prepare_global_plan + finish (the planner's create_global_plan is the same for "
         "both and shown apart). Rank: reading the metadata, then planner + reader set-up and local read planning "
