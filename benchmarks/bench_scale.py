@@ -5,6 +5,7 @@
     python benchmarks/bench_scale.py --server moto         # moto instead
     python benchmarks/bench_scale.py --backend local       # no server: file:// store
     python benchmarks/bench_scale.py planning              # metadata and planning, 8 to 4,096 ranks (issue 9)
+    python benchmarks/bench_scale.py planning-fit          # per-rank load planning of 70B at 4,096, fitted
 
 What a rank holds at 1,024 ranks with FSDP ``Shard(0)``: for each of Llama-3-8B's
 291 parameters (embedding 128256x4096; per layer (32) q 4096x4096, k and v
@@ -327,10 +328,13 @@ _DATA_OPS = {"read", "put_part", "create_multipart", "complete_multipart", "put"
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        C.child_main(argv[1], {"save": child, "load": child, "load_weights": child, "plan": planning.child})
+        handlers = {"save": child, "load": child, "load_weights": child}
+        C.child_main(argv[1], {**handlers, "plan": planning.child, "plan_load": planning.child_load_only})
         return 0
     if argv[:1] == ["planning"]:
         return planning.main(argv[1:])
+    if argv[:1] == ["planning-fit"]:
+        return planning.main_fit(argv[1:])
     args = parse_args(argv)
     json_path = args.json or C.default_results_path(f"scale-{args.backend}-{args.server}-{args.world}.json")
     env_info = C.environment()

@@ -470,8 +470,8 @@ def test_dcp_bytes_corrupted_in_flight_once_are_read_again(seed: int, caplog: py
     target, reader = _load(faulty)
     _bits_equal(target, _state())
     assert faulty.injected == 1
-    assert reader.stats.retries == 1  # one block read again
-    assert "checksum mismatch in 1 block(s)" in caplog.text
+    assert reader.stats.retries == 1  # one block, or the object's index footer, read again
+    assert "checksum mismatch in 1 block(s)" in caplog.text or "footer" in caplog.text and "once more" in caplog.text
 
 
 def test_dcp_stored_damage_fails_after_one_reread() -> None:

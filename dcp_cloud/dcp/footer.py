@@ -30,7 +30,7 @@ from typing import Any
 
 import crc32c
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from .layout import ItemExtras
@@ -75,8 +75,8 @@ def decode(data: bytes | memoryview, describe: str) -> dict[int, ItemExtras]:
     """
     view = memoryview(data).cast("B")
 
-    def damaged(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
+    def damaged(why: str, kind: type[CorruptCheckpointError] = CorruptCheckpointError) -> CorruptCheckpointError:
+        return kind(
             f"the checksum footer {describe} is damaged ({why}); the object was truncated or overwritten -- "
             "restore it from another copy or load an earlier checkpoint"
         )
@@ -86,7 +86,7 @@ def decode(data: bytes | memoryview, describe: str) -> dict[int, ItemExtras]:
     body = view[: len(view) - _TRAILER.size]
     (stored,) = _TRAILER.unpack_from(view, len(body))
     if crc32c.crc32c(body) != stored:
-        raise damaged("its own CRC32C does not match")
+        raise damaged("its own CRC32C does not match", ChecksumMismatchError)
     magic, version, _, count = _HEADER.unpack_from(body, 0)
     if magic != MAGIC or version != VERSION:
         raise damaged(f"not a version-{VERSION} dcp_cloud footer")
