@@ -117,6 +117,8 @@ class S3Store:
     """
 
     scheme = "s3"
+    #: CompleteMultipartUpload consumes the parts: no abort needs to follow it (it would cost a request).
+    sweeps_after_complete = False
     #: Keys asked for per ListObjectsV2 / ListMultipartUploads page.
     _list_page_size = 1000
 
