@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -117,6 +118,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--paths", default="loopback,shaped,https", help="comma-separated subset of loopback,shaped,https")
     p.add_argument("--scenarios", default="1p,4r", help="comma-separated subset of 1p,4r")
+    p.add_argument("--multi-paths", default=None, help="paths of the 4r scenario (default: --paths)")
     p.add_argument("--contenders", default="dcp_cloud,s3tc_t1,s3tc_t4,fsspec_t4,wire,stock_fs_t1",
                    help=f"comma-separated subset of {','.join(P.ALL)}")  # fmt: skip
     p.add_argument("--size-mb", type=float, default=512, help="state dict MiB of the 1p scenario (default 512)")
@@ -138,6 +140,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
     args.scenarios = [x for x in args.scenarios.split(",") if x]
+    args.multi_paths = [x for x in args.multi_paths.split(",") if x] if args.multi_paths else args.paths
     args.contenders = [x for x in args.contenders.split(",") if x]
     if args.ref_path and "dcp_cloud_ref" not in args.contenders:
         args.contenders.append("dcp_cloud_ref")
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         C.child_main(argv[1], {"save": child, "load": child})
         return 0
     args = parse_args(argv)
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C: the finally blocks stop the server and proxies and
+    # remove the temporary directories.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import shutil
     import tempfile
 
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_warmup:
                 for c in args.contenders:
                     cycle(c, "loopback" if "loopback" in paths else args.paths[0], "1p", -1, 8.0, record=False)
-            jobs = [(p, s) for p in args.paths for s in args.scenarios]
+            jobs = [(p, s) for p in args.paths for s in args.scenarios if s == "1p" or p in args.multi_paths]
             for rnd in range(args.repeats):
                 k = rnd % len(args.contenders)
                 order = args.contenders[k:] + args.contenders[:k]
