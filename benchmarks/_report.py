@@ -111,6 +111,8 @@ def goals(summary: dict[str, Any]) -> list[list[str]]:
             if "dcp_cloud" not in cells:
                 continue
             peer, value = _best(cells, key, highest)
+            if peer is None:  # no peer ran here: nothing to compare with
+                continue
             ratio = _ratio(cells["dcp_cloud"][key], value)
             limit = float(target.split()[1].rstrip("x"))
             met = ratio is not None and (ratio >= limit if highest else ratio <= limit)
