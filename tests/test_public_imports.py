@@ -28,7 +28,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "dcp_cloud.store.gcs": ("MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSStore"),
     "dcp_cloud.testing.proxy": (
         "FAULT_KINDS", "FaultEvent", "FaultPlan", "FaultProxy", "ProxyProtocolError", "ProxyStats", "RequestInfo",
-        "TrafficCount",
+        "Shaping", "TLSFiles", "TrafficCount", "make_test_tls", "server_context",
     ),
     "dcp_cloud.maintenance": ("CheckpointInfo", "GCReport", "VerifyReport", "gc", "list_checkpoints", "verify", "log"),
     "dcp_cloud.transfer.engine": ("T", "split_outs", "TransferEngine"),

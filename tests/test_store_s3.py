@@ -254,6 +254,51 @@ def _record_requests(store: S3Store) -> list[Any]:
     return seen
 
 
+class _NoBody:
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield b""
+
+    def read(self, *_: Any, **__: Any) -> bytes:
+        return b""
+
+
+def _payload_hashes(store: S3Store) -> dict[str, str]:
+    """x-amz-content-sha256 of a part upload and of a PUT, answered locally (no server)."""
+    from botocore.awsrequest import AWSResponse
+
+    seen: dict[str, str] = {}
+
+    def answer(request: Any, **_: Any) -> AWSResponse:
+        op = "part" if "partNumber" in request.url else "put"
+        seen[op] = request.headers["X-Amz-Content-SHA256"].decode()
+        return AWSResponse(request.url, 200, {"ETag": '"e"'}, _NoBody())
+
+    store._client().meta.events.register("before-send.s3", answer)
+    store.put_part("k", "upload", 1, b"x" * 70_000)
+    store.put("k", b"y" * 70_000)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "checksums", "unsigned"),
+    [
+        ("https://127.0.0.1:9", True, True),  # TLS + CRC32C header: no SHA-256 pass over the body
+        ("http://127.0.0.1:9", True, False),  # plain HTTP: the signature is all that protects the body
+        ("https://127.0.0.1:9", False, False),  # no checksum header: keep the signed payload
+    ],
+)
+def test_payload_signing_over_tls_with_checksums(
+    endpoint: str, checksums: bool, unsigned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    store = S3Store("bucket", S3Config(endpoint_url=endpoint, region="us-east-1", transport_checksums=checksums))
+    hashes = _payload_hashes(store)
+    assert set(hashes) == {"part", "put"}
+    for value in hashes.values():
+        assert (value == "UNSIGNED-PAYLOAD") is unsigned, hashes
+
+
 def test_path_style_addressing(s3_bucket: str, moto_server: MotoServer) -> None:
     store = S3Store(s3_bucket, S3Config(endpoint_url=moto_server.endpoint_url, addressing_style="path"))
     assert store._client().meta.config.s3["addressing_style"] == "path"

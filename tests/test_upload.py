@@ -221,3 +221,38 @@ def test_save_uploads_cpu_tensors_in_place_and_copies_temporaries() -> None:
     for k in ("big", "sliced", "strided"):
         assert torch.equal(target[k], state[k]), k
     assert target["step"] == 3
+
+
+class _CountingStore(MemoryStore):
+    """Counts aborts; ``sweeps_after_complete`` as given."""
+
+    def __init__(self, sweeps: bool | None) -> None:
+        super().__init__()
+        if sweeps is not None:
+            self.sweeps_after_complete = sweeps
+        self.aborts = 0
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self.aborts += 1
+        super().abort_multipart(key, upload_id)
+
+
+@pytest.mark.parametrize(("sweeps", "aborts"), [(None, 1), (True, 1), (False, 0)])
+def test_commit_sweeps_only_stores_that_need_it(sweeps: bool | None, aborts: int) -> None:
+    """A store saying its complete consumes the parts (S3) gets no abort after it: one request less per save."""
+    store = _CountingStore(sweeps)
+    with TransferEngine(store, CONFIG, RETRY) as engine:
+        w = open_writer(engine, "obj", 3 * PART)
+        w.write(b"z" * (2 * PART + 5))
+        w.commit()
+    assert store.get("obj") == b"z" * (2 * PART + 5)
+    assert store.aborts == aborts
+
+
+def test_s3_store_needs_no_sweep() -> None:
+    from dcp_cloud.store.s3 import S3Store
+    from dcp_cloud.store.wrapper import StoreWrapper
+
+    assert S3Store.sweeps_after_complete is False
+    assert StoreWrapper(S3Store("bucket")).sweeps_after_complete is False
+    assert StoreWrapper(MemoryStore()).sweeps_after_complete is True

@@ -233,7 +233,8 @@ class ObjectWriter(io.RawIOBase):
             info = self._store.head(self.key)
             if info.size != self._pos:
                 raise
-        self._sweep()
+        if getattr(self._store, "sweeps_after_complete", True):
+            self._sweep()
         return info
 
     def _sweep(self) -> None:

@@ -67,6 +67,24 @@ def _shared_loader() -> Any:
         return _loader
 
 
+def _unsigned_payload_over_tls(client: Any, transport_checksums: bool) -> None:
+    """Over HTTPS, with a CRC32C header on every upload, send bodies as UNSIGNED-PAYLOAD.
+
+    botocore skips the SHA-256 pass over a body (one more read of every
+    byte, in Python-sized pieces) when the connection is TLS and the body
+    carries a checksum header, but it only sees checksums it computed itself:
+    with the CRC32C this store sends, it hashed every part anyway. TLS
+    protects the body in flight and the server checks the CRC32C, the
+    combination botocore itself deems enough. Plain ``http://`` keeps the
+    signed payload (nothing else protects the body there), and so does a
+    store without transport checksums.
+    """
+    if not (transport_checksums and str(client.meta.endpoint_url).startswith("https://")):
+        return
+    config = client.meta.config  # what the signer reads, per request, from the request context
+    config.s3 = {**(config.s3 or {}), "payload_signing_enabled": False}
+
+
 def _crc_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
 
@@ -102,6 +120,8 @@ class S3Store:
     scheme = "s3"
     #: Largest object copied with one CopyObject, and the part size of larger copies (S3's limit).
     copy_part_size = 5 * 1024 * 1024 * 1024
+    #: CompleteMultipartUpload consumes the parts: no abort needs to follow it (it would cost a request).
+    sweeps_after_complete = False
     #: Keys asked for per ListObjectsV2 / ListMultipartUploads page.
     _list_page_size = 1000
 
@@ -190,9 +210,11 @@ class S3Store:
         # botocore reads AWS_DEFAULT_REGION and the profile but not AWS_REGION,
         # which the other AWS SDKs give precedence; honour it the same way.
         region = self.config.region or os.environ.get("AWS_REGION") or None
-        return session.create_client(
+        client = session.create_client(
             "s3", region_name=region, endpoint_url=self.config.endpoint_url, config=boto_config
         )
+        _unsigned_payload_over_tls(client, self.config.transport_checksums)
+        return client
 
     def _client(self) -> Any:
         pid = os.getpid()

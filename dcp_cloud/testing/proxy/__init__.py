@@ -45,6 +45,12 @@ Semantics worth knowing when writing assertions:
   sessions) are rewritten to point at the proxy, so follow-up requests come
   back through it.
 
+Shaping and TLS: ``FaultProxy(..., shaping=Shaping(latency=0.02,
+bandwidth=90e6))`` adds a one-way latency and a per-connection bandwidth cap
+(see :mod:`.shaping` for the model); ``ssl_context=server_context(
+make_test_tls(tmpdir))`` makes it an HTTPS endpoint whose CA clients trust
+through ``AWS_CA_BUNDLE`` (see :mod:`.tls`).
+
 Lifecycle: :meth:`~FaultProxy.start` / :meth:`~FaultProxy.stop` or a ``with``
 block. ``stop`` closes the port and every connection and joins every thread
 it started; all sockets carry ``io_timeout`` so no thread blocks forever.
@@ -53,7 +59,9 @@ it started; all sockets carry ``io_timeout`` so no thread blocks forever.
 from .faults import FAULT_KINDS, FaultEvent, FaultPlan, RequestInfo
 from .http import ProxyProtocolError  # noqa: F401 - public name of the old module
 from .server import FaultProxy
+from .shaping import Shaping
 from .stats import ProxyStats, TrafficCount
+from .tls import TLSFiles, make_test_tls, server_context
 
 __all__ = [
     "FAULT_KINDS",
@@ -62,5 +70,9 @@ __all__ = [
     "FaultProxy",
     "ProxyStats",
     "RequestInfo",
+    "Shaping",
+    "TLSFiles",
     "TrafficCount",
+    "make_test_tls",
+    "server_context",
 ]

@@ -7,6 +7,7 @@ import contextlib
 import random
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from .http import (
     _relay_body,
     _Upstream,
 )
+from .shaping import Pacer, Shaping, delay
 from .stats import ProxyStats, TrafficCount, _Counters
 
 
@@ -49,7 +51,10 @@ class FaultProxy:
     (``"s3"`` or ``"gcs"``) picks the shape of injected error bodies;
     ``chunk_size`` is the relay buffer per connection; ``io_timeout`` bounds
     every socket wait of the proxy (idle keep-alive connections included).
-    See the module docstring.
+    ``shaping`` adds latency and a per-connection bandwidth cap (see
+    :mod:`.shaping`); ``ssl_context`` (a server-side context) makes the proxy
+    speak HTTPS to its clients (TLS ends at the proxy; the upstream stays
+    ``http://``). See the module docstring.
     """
 
     def __init__(
@@ -63,6 +68,8 @@ class FaultProxy:
         chunk_size: int = 1024 * 1024,
         io_timeout: float = 300.0,
         connect_timeout: float = 10.0,
+        shaping: Shaping | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -77,6 +84,12 @@ class FaultProxy:
         self._up_netlocs = {f"{parts.hostname}:{self._up_port}"}
         if parts.hostname in ("127.0.0.1", "localhost"):
             self._up_netlocs |= {f"127.0.0.1:{self._up_port}", f"localhost:{self._up_port}"}
+        if shaping is not None and not isinstance(shaping, Shaping):
+            raise ValueError(f"shaping must be a Shaping or None, got {type(shaping).__name__}")
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise ValueError(f"ssl_context must be an ssl.SSLContext or None, got {type(ssl_context).__name__}")
+        self.shaping = shaping or Shaping()
+        self.ssl_context = ssl_context
         self.flavor = flavor
         self.host = host
         self._requested_port = port
@@ -100,10 +113,11 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT`` of the proxy (point the client here)."""
+        """``http://127.0.0.1:PORT`` of the proxy (``https://`` with an ``ssl_context``): point the client here."""
         if self.port is None:
             raise RuntimeError("the proxy is not running; call start() or use it in a with block")
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def plan(self) -> FaultPlan:
@@ -291,8 +305,22 @@ class FaultProxy:
         client.settimeout(self.io_timeout)
         with contextlib.suppress(OSError):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        shaping = self.shaping
+        delay(2 * shaping.latency, self._stopping)  # the TCP handshake: one round trip
+        if self.ssl_context is not None:
+            try:
+                client = self.ssl_context.wrap_socket(client, server_side=True)
+            except (OSError, ValueError):
+                _close_soft(client)
+                return
+            socks[0] = client
         rfile = client.makefile("rb", buffering=65536)
-        state = {"upstream": None, "closed": False}
+        state = {
+            "upstream": None,
+            "closed": False,
+            "pace_up": Pacer(shaping.bandwidth, stop=self._stopping),
+            "pace_down": Pacer(shaping.bandwidth, stop=self._stopping),
+        }
         buf = memoryview(bytearray(self.chunk_size))
         try:
             while not self._stopping.is_set():
@@ -349,8 +377,8 @@ class FaultProxy:
         req_len = _body_length(headers)
         req_chunked = _has_token(headers, "transfer-encoding", "chunked")
 
-        count_request = self._tally(method, path, response=False)
-        count_response = self._tally(method, path, response=True)
+        count_request = _paced(self._tally(method, path, response=False), state["pace_up"])
+        count_response = _paced(self._tally(method, path, response=True), state["pace_down"])
 
         def read_body(sink: socket.socket | None) -> None:
             _relay_body(rfile, sink, buf, req_len if not req_chunked else None, req_chunked, False, count_request)
@@ -375,6 +403,7 @@ class FaultProxy:
             return False
 
         # -- forward the request
+        delay(self.shaping.latency, self._stopping)  # client -> server
         try:
             up = self._upstream(state, socks)
             up.sock.sendall(_encode_head(f"{method} {target} {version}", headers))
@@ -401,6 +430,7 @@ class FaultProxy:
         if not keep:
             resp_headers.append(("Connection", "close"))
         head = _encode_head(f"HTTP/1.1 {status} {reason}".rstrip(), resp_headers)
+        delay(self.shaping.latency, self._stopping)  # server -> client
 
         if fault is not None:  # truncate, or a response-phase reset / stall
             self._record_fault(fault, method, path, "response")
@@ -484,3 +514,15 @@ class FaultProxy:
         if close:
             headers.append(("Connection", "close"))
         client.sendall(_encode_head(f"HTTP/1.1 {status} {reason}", headers) + (body if method != "HEAD" else b""))
+
+
+def _paced(tally: Callable[[int], None], pace: Pacer) -> Callable[[int], None]:
+    """``tally`` followed by ``pace``: counted, then held back to the connection's bandwidth before it is sent."""
+    if pace.rate is None:
+        return tally
+
+    def count_and_wait(n: int) -> None:
+        tally(n)
+        pace(n)
+
+    return count_and_wait

@@ -1,0 +1,181 @@
+"""The contenders of the peer benchmark: how each one's writer and reader is built in a child process,
+and how the peers are installed beside (never into) this environment.
+
+Contenders:
+
+* ``dcp_cloud``   ``S3Writer`` / ``S3Reader`` (block checksums on: the default);
+* ``s3tc_t1``, ``s3tc_t4``  s3torchconnector 1.5.0's ``S3StorageWriter(thread_count=1 / 4)`` and its
+  default ``S3StorageReader``, path-style, endpoint from ``AWS_ENDPOINT_URL``;
+* ``fsspec_t4``   torch's stock ``FsspecWriter(thread_count=4)`` / ``FsspecReader`` over s3fs
+  (``endpoint_url`` passed through to ``S3FileSystem``);
+* ``stock_fs_t1`` torch's ``FileSystemWriter(thread_count=1)`` / ``FileSystemReader`` on local disk;
+* ``wire``        the same bytes moved with boto3 in dcp_cloud's request shape (bench_throughput.py's
+  wire baseline; one process only);
+* ``dcp_cloud_ref`` the ``dcp_cloud`` contender run from another checkout (``--ref-path``).
+
+s3torchconnector and s3fs each live in their own ``pip install --target``
+directory under the cache (``$DCP_CLOUD_BENCH_CACHE`` or
+``~/.cache/dcp-cloud-bench``), put first on ``sys.path`` in their own child
+processes only: s3fs brings its own aiobotocore and botocore, pinned so pip
+does not fall back to an ancient s3fs, and this environment's boto3 stays as
+it is.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+S3TC_VERSION = "1.5.0"
+S3FS_VERSION = "2026.9.0"
+#: aiobotocore 3.10 (what s3fs 2026.9.0 needs) accepts botocore 1.43.115..117 only.
+S3FS_BOTOCORE = "1.43.117"
+
+S3TC = ("s3tc_t1", "s3tc_t4")
+FSSPEC = ("fsspec_t4",)
+PEERS = (*S3TC, *FSSPEC)
+CLOUD = ("dcp_cloud", "dcp_cloud_ref", "wire", *PEERS)
+LOCAL_DISK = ("stock_fs_t1",)
+ALL = ("dcp_cloud", *PEERS, "wire", *LOCAL_DISK, "dcp_cloud_ref")
+LABELS = {
+    "dcp_cloud": "dcp_cloud",
+    "dcp_cloud_ref": "dcp_cloud (--ref-path)",
+    "s3tc_t1": f"s3torchconnector {S3TC_VERSION} t=1",
+    "s3tc_t4": f"s3torchconnector {S3TC_VERSION} t=4",
+    "fsspec_t4": f"FsspecWriter+s3fs {S3FS_VERSION} t=4",
+    "stock_fs_t1": "FileSystemWriter t=1 (local disk)",
+    "wire": "wire (boto3, dcp_cloud's requests)",
+}
+
+
+def cache_dir() -> str:
+    return os.environ.get("DCP_CLOUD_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dcp-cloud-bench")
+
+
+def s3tc_target() -> str:
+    return os.path.join(cache_dir(), "s3tc")
+
+
+def s3fs_target() -> str:
+    return os.path.join(cache_dir(), f"s3fs-{S3FS_VERSION}")
+
+
+def _pip_target(target: str, marker: str, packages: list[str], *, no_deps: bool) -> None:
+    if os.path.isdir(os.path.join(target, marker)):
+        return
+    print(f"installing {' '.join(packages)} into {target} ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", target, *packages]
+    if no_deps:
+        cmd.insert(4, "--no-deps")
+    subprocess.run(cmd, check=True)
+
+
+def install(contenders: list[str]) -> dict[str, str]:
+    """Install the peers among ``contenders`` if missing; their ``--target`` directories by contender."""
+    out: dict[str, str] = {}
+    if any(c in S3TC for c in contenders):
+        _pip_target(
+            s3tc_target(), "s3torchconnector",
+            [f"s3torchconnector=={S3TC_VERSION}", f"s3torchconnectorclient=={S3TC_VERSION}", "tenacity"],
+            no_deps=True,
+        )  # fmt: skip
+        out.update(dict.fromkeys(S3TC, s3tc_target()))
+    if any(c in FSSPEC for c in contenders):
+        _pip_target(s3fs_target(), "s3fs", [f"s3fs=={S3FS_VERSION}", f"botocore=={S3FS_BOTOCORE}"], no_deps=False)
+        out.update(dict.fromkeys(FSSPEC, s3fs_target()))
+    return out
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def preload(spec: dict[str, Any]) -> None:
+    """Put the contender's own directory first on sys.path and import what it needs (before the RSS baseline)."""
+    import torch.distributed.checkpoint  # noqa: F401
+
+    c = spec["contender"]
+    if spec.get("target"):
+        sys.path.insert(0, spec["target"])
+    if c in S3TC:
+        import s3torchconnector.dcp  # noqa: F401
+    elif c in FSSPEC:
+        import s3fs  # noqa: F401
+        import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+    elif c != "stock_fs_t1":
+        import boto3  # noqa: F401
+        import botocore.config  # noqa: F401
+
+        import dcp_cloud  # noqa: F401
+
+
+def _threads(contender: str) -> int:
+    return int(contender.rsplit("_t", 1)[1])
+
+
+def _transfer(spec: dict[str, Any], **overrides: Any) -> Any:
+    from dcp_cloud import TransferConfig
+
+    return TransferConfig(**spec.get("transfer", {}), **overrides)
+
+
+def _s3tc_kwargs() -> dict[str, Any]:
+    from s3torchconnector import S3ClientConfig
+
+    # Path-style: the local server has no virtual-host DNS. The endpoint comes from AWS_ENDPOINT_URL.
+    return {
+        "region": os.environ.get("AWS_REGION", "us-east-1"),
+        "s3client_config": S3ClientConfig(force_path_style=True),
+    }
+
+
+def _fsspec_kwargs() -> dict[str, Any]:
+    return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+
+
+def make_writer(spec: dict[str, Any]) -> Any:
+    c = spec["contender"]
+    if c in ("dcp_cloud", "dcp_cloud_ref"):
+        import dcp_cloud
+
+        return dcp_cloud.S3Writer(spec["uri"], transfer=_transfer(spec))
+    if c in S3TC:
+        from s3torchconnector.dcp import S3StorageWriter
+
+        return S3StorageWriter(path=spec["uri"], thread_count=_threads(c), **_s3tc_kwargs())
+    if c in FSSPEC:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(spec["uri"], thread_count=_threads(c), **_fsspec_kwargs())
+    if c == "stock_fs_t1":
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(spec["path"], thread_count=1)
+    raise ValueError(f"no writer for contender {c!r}")
+
+
+def make_reader(spec: dict[str, Any]) -> Any:
+    c = spec["contender"]
+    if c in ("dcp_cloud", "dcp_cloud_ref"):
+        import dcp_cloud
+
+        return dcp_cloud.S3Reader(spec["uri"], transfer=_transfer(spec))
+    if c in S3TC:
+        from s3torchconnector.dcp import S3StorageReader
+
+        return S3StorageReader(path=spec["uri"], **_s3tc_kwargs())
+    if c in FSSPEC:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(spec["uri"], **_fsspec_kwargs())
+    if c == "stock_fs_t1":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(spec["path"])
+    raise ValueError(f"no reader for contender {c!r}")
+
+
+def module_of(obj: Any) -> str:
+    """Where the contender's class was imported from (shows which checkout or --target it ran)."""
+    return getattr(sys.modules.get(type(obj).__module__), "__file__", None) or type(obj).__module__

@@ -1,0 +1,150 @@
+"""Tables of the peer benchmark: per operation and path, every contender's median (min-max) MiB/s, client
+CPU-seconds per GiB, extra peak RSS, and their ratios to the best peer; then the goals, met or not."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from typing import Any
+
+import _common as C
+import _peers as P
+
+GiB = 1024 * C.MiB
+OPS = ("save 1p", "load 1p", "save 4", "load 4->4", "load 4->3")
+#: Goals of issue 13: (what, path, target).
+THROUGHPUT_GOAL = 1.5
+CPU_GOAL = 1.0
+MEMORY_GOAL = 0.5
+
+
+def git_head(path: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", path, "log", "-1", "--format=%h %s"], capture_output=True, text=True,
+                             timeout=10, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _med(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """``summary[op][path][contender]``: medians and spreads over the repeats, and the errors."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for r in runs:
+        out.setdefault(r["op"], {}).setdefault(r["path"], {}).setdefault(r["contender"], {"runs": []})["runs"].append(r)
+    for op in out.values():
+        for path in op.values():
+            for c, cell in path.items():
+                ok = [r for r in cell.pop("runs") if "error" not in r]
+                mibs = [r["bytes"] / C.MiB / r["seconds"] for r in ok]
+                cpu = [r["cpu_s"] / (r["bytes"] / GiB) for r in ok]
+                extra = [r["rss_extra"] / C.MiB for r in ok]
+                path[c] = {
+                    "n": len(ok),
+                    "mib_s_median": _med(mibs),
+                    "mib_s_min": min(mibs, default=None),
+                    "mib_s_max": max(mibs, default=None),
+                    "cpu_s_per_gib_median": _med(cpu),
+                    "rss_extra_mib_median": _med(extra),
+                    "rss_extra_mib_max": max(extra, default=None),
+                    "verified": None if not ok else all(r.get("verified") is not False for r in ok),
+                    "errors": [],
+                }
+    for r in runs:
+        if "error" in r:
+            out[r["op"]][r["path"]][r["contender"]]["errors"].append(r["error"])
+    return out
+
+
+def _best(cells: dict[str, dict[str, Any]], key: str, highest: bool) -> tuple[str | None, float | None]:
+    peers = [(c, cells[c][key]) for c in P.PEERS if c in cells and cells[c][key] is not None]
+    if not peers:
+        return None, None
+    return (max if highest else min)(peers, key=lambda x: x[1])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _op_table(op: str, by_path: dict[str, dict[str, dict[str, Any]]]) -> str:
+    rows = []
+    for path, cells in by_path.items():
+        _, best_mibs = _best(cells, "mib_s_median", True)
+        _, best_cpu = _best(cells, "cpu_s_per_gib_median", False)
+        _, best_rss = _best(cells, "rss_extra_mib_median", False)
+        for c in [c for c in P.ALL if c in cells]:
+            s = cells[c]
+            notes = []
+            if s["errors"]:
+                notes.append(f"FAILED {len(s['errors'])}x: {s['errors'][0][:160]}")
+            if s["verified"] is False:
+                notes.append("LOADED VALUES WRONG")
+            rows.append([
+                path, P.LABELS[c],
+                f"{C.fmt(s['mib_s_median'])} ({C.fmt(s['mib_s_min'])}-{C.fmt(s['mib_s_max'])})",
+                C.fmt(_ratio(s["mib_s_median"], best_mibs), 2),
+                C.fmt(s["cpu_s_per_gib_median"], 2), C.fmt(_ratio(s["cpu_s_per_gib_median"], best_cpu), 2),
+                C.fmt(s["rss_extra_mib_median"], 0), C.fmt(_ratio(s["rss_extra_mib_median"], best_rss), 2),
+                "; ".join(notes).replace("|", "/"),
+            ])  # fmt: skip
+    return f"#### {op}\n\n" + C.markdown_table(
+        ["path", "contender", "MiB/s median (min-max)", "x best peer", "CPU s/GiB", "x best peer",
+         "extra RSS MiB", "x best peer", "notes"], rows,
+    )  # fmt: skip
+
+
+def goals(summary: dict[str, Any]) -> list[list[str]]:
+    """dcp_cloud against the best peer: throughput on the shaped path, CPU over HTTPS, memory on every path."""
+    rows = []
+    for op in [o for o in OPS if o in summary]:
+        checks = [("shaped", "mib_s_median", True, f">= {THROUGHPUT_GOAL}x MiB/s"),
+                  ("https", "cpu_s_per_gib_median", False, f"<= {CPU_GOAL}x CPU s/GiB")]  # fmt: skip
+        checks += [(p, "rss_extra_mib_median", False, f"<= {MEMORY_GOAL}x extra RSS") for p in summary[op]]
+        for path, key, highest, target in checks:
+            cells = summary[op].get(path, {})
+            if "dcp_cloud" not in cells:
+                continue
+            peer, value = _best(cells, key, highest)
+            if peer is None:  # no peer ran here: nothing to compare with
+                continue
+            ratio = _ratio(cells["dcp_cloud"][key], value)
+            limit = float(target.split()[1].rstrip("x"))
+            met = ratio is not None and (ratio >= limit if highest else ratio <= limit)
+            rows.append([op, path, target, C.fmt(cells["dcp_cloud"][key], 2),
+                         f"{C.fmt(value, 2)} ({P.LABELS.get(peer or '', '-')})", C.fmt(ratio, 2),
+                         "yes" if met else "NO"])  # fmt: skip
+    return rows
+
+
+def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
+    la0 = env.get("loadavg_start")
+    la1 = env.get("loadavg_end")
+    fmt_la = lambda la: "-" if not la else " / ".join(f"{x:.2f}" for x in la)  # noqa: E731
+    head = [
+        f"### Peers on s3rver: {env.get('time', '')[:10]}, {env.get('machine')}",
+        "",
+        f"load average (1/5/15 min) at start {fmt_la(la0)}, at end {fmt_la(la1)}; "
+        f"{args.repeats} repeats, contenders interleaved, every operation in fresh processes; "
+        f"1p: {args.size_mb:g} MiB in {args.tensors} tensors; 4r: {args.multi_size_mb:g} MiB in all "
+        f"(DTensor Shard(0)) saved by 4 ranks, loaded by 4 and by 3. CPU and extra peak RSS are summed over "
+        "ranks. Ratios: to the best peer (s3torchconnector t=1/t=4, FsspecWriter+s3fs) of the same row group "
+        "(highest MiB/s, lowest CPU, lowest RSS).",
+        "",
+        "paths: " + "; ".join(f"{k}: {v}" for k, v in env.get("paths", {}).items()),
+        "",
+        f"code: {env.get('head')}" + (f"; --ref-path: {env.get('ref_head')}" if env.get("ref_head") else ""),
+    ]
+    parts = ["\n".join(head)]
+    for op in [o for o in OPS if o in summary]:
+        parts.append(_op_table(op, summary[op]))
+    g = goals(summary)
+    if g:
+        parts.append("#### Goals (dcp_cloud against the best peer)\n\n" + C.markdown_table(
+            ["operation", "path", "goal", "dcp_cloud", "best peer", "ratio", "met"], g))  # fmt: skip
+    return "\n\n".join(parts)
