@@ -129,6 +129,22 @@ def _plans(spec: dict[str, Any], world: int) -> list[Any]:
     return plans
 
 
+def _rank_state(pspec: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s load targets: its Shard(0) rows of every tensor, as the load planner sees them."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    state: dict[str, Any] = {}
+    for name, shape in pspec.items():
+        lo, hi = rows(shape[0], world, rank)
+        if hi <= lo:
+            continue
+        chunk = ChunkStorageMetadata(torch.Size((lo, *(0,) * (len(shape) - 1))), torch.Size((hi - lo, *shape[1:])))
+        for kind in KINDS:
+            state[_fqn(name, kind)] = _Shard(torch.Size(shape), chunk)
+    return state
+
+
 def _fqn(name: str, kind: str) -> str:
     return f"model.{name}" if kind == "weight" else f"optim.state.{name}.{kind}"
 
@@ -211,16 +227,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         reader = FileSystemReader(spec["path"])
     md = reader.read_metadata()
     out["read_metadata_s"] = time.perf_counter() - t
-    state: dict[str, Any] = {}
-    for name, shape in pspec.items():
-        lo, hi = rows(shape[0], world, rank)
-        if hi <= lo:
-            continue
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        chunk = ChunkStorageMetadata(torch.Size((lo, *(0,) * (len(shape) - 1))), torch.Size((hi - lo, *shape[1:])))
-        for kind in KINDS:
-            state[_fqn(name, kind)] = _Shard(torch.Size(shape), chunk)
+    state = _rank_state(pspec, world, rank)
     planner = dcp_cloud.ScaleLoadPlanner() if ours else DefaultLoadPlanner()
     t = time.perf_counter()
     planner.set_up_planner(dict(state), md, False)
@@ -431,7 +438,7 @@ def child_load_only(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+    from torch.distributed.checkpoint.metadata import Metadata
 
     import dcp_cloud
     from dcp_cloud.store.memory import MemoryStore
@@ -442,14 +449,7 @@ def child_load_only(spec: dict[str, Any]) -> dict[str, Any]:
     world, rank = spec["world"], spec["world"] // 2
     pspec = params(spec["model"], spec["layers"])
     md = _metadata_direct(pspec, world, ours)
-    state: dict[str, Any] = {}
-    for name, shape in pspec.items():
-        lo, hi = rows(shape[0], world, rank)
-        if hi <= lo:
-            continue
-        chunk = ChunkStorageMetadata(torch.Size((lo, *(0,) * (len(shape) - 1))), torch.Size((hi - lo, *shape[1:])))
-        for kind in KINDS:
-            state[_fqn(name, kind)] = _Shard(torch.Size(shape), chunk)
+    state = _rank_state(pspec, world, rank)
     if ours:
         mem = MemoryStore()
         mem.put("run/step-1/.metadata", _pickle.dumps(Metadata({}, storage_data={})))

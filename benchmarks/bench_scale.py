@@ -46,25 +46,11 @@ import _common as C  # noqa: E402
 import _scale_planning as planning  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
-HIDDEN, KV, FFN, VOCAB, LAYERS = 4096, 1024, 14336, 128256, 32
 
 
 def llama3_8b() -> dict[str, tuple[int, ...]]:
     """The 291 parameters of Llama-3-8B (names as in Hugging Face's LlamaForCausalLM)."""
-    spec: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        spec[p + "self_attn.q_proj.weight"] = (HIDDEN, HIDDEN)
-        spec[p + "self_attn.k_proj.weight"] = (KV, HIDDEN)
-        spec[p + "self_attn.v_proj.weight"] = (KV, HIDDEN)
-        spec[p + "self_attn.o_proj.weight"] = (HIDDEN, HIDDEN)
-        spec[p + "mlp.gate_proj.weight"] = (FFN, HIDDEN)
-        spec[p + "mlp.up_proj.weight"] = (FFN, HIDDEN)
-        spec[p + "mlp.down_proj.weight"] = (HIDDEN, FFN)
-        spec[p + "input_layernorm.weight"] = (HIDDEN,)
-        spec[p + "post_attention_layernorm.weight"] = (HIDDEN,)
-    spec["model.norm.weight"] = (HIDDEN,)
-    spec["lm_head.weight"] = (VOCAB, HIDDEN)
+    spec = planning.params("8b")
     assert len(spec) == 291
     return spec
 
