@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+import _planning_fit as planning_fit  # noqa: E402
 import _scale_planning as planning  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
@@ -315,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         handlers = {"save": child, "load": child, "load_weights": child}
-        C.child_main(argv[1], {**handlers, "plan": planning.child, "plan_load": planning.child_load_only})
+        C.child_main(argv[1], {**handlers, "plan": planning.child, "plan_load": planning_fit.child_load_only})
         return 0
     if argv[:1] == ["planning"]:
         return planning.main(argv[1:])
     if argv[:1] == ["planning-fit"]:
-        return planning.main_fit(argv[1:])
+        return planning_fit.main_fit(argv[1:])
     args = parse_args(argv)
     json_path = args.json or C.default_results_path(f"scale-{args.backend}-{args.server}-{args.world}.json")
     env_info = C.environment()

@@ -43,6 +43,7 @@ from ..errors import (
 )
 from .localfs import advance, append_file, fsync_dir, link_noreplace, preadv, pwrite_all, write_all
 from .payload import Payload, payload_size, payload_views
+from .payload import out_view as _out_view
 from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 
 MiB = 1024 * 1024
@@ -62,13 +63,6 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 #: Part tokens of parts written in place (``put_part_at``) start with this.
 _AT = "at"
-
-
-def _out_view(out: memoryview) -> memoryview:
-    """A read target as a flat byte view of the same memory (never a copy)."""
-    if not out.c_contiguous or out.readonly:
-        raise ValueError("read_into needs writable, contiguous buffers")
-    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
 class LocalStore:

@@ -125,3 +125,10 @@ class ScatterReader(io.RawIOBase):
             out[n : n + len(chunk)] = chunk
             n += len(chunk)
         return n
+
+
+def out_view(out: memoryview) -> memoryview:
+    """A read target (``read_into``'s ``outs``) as a flat byte view of the same memory (never a copy)."""
+    if not out.c_contiguous or out.readonly:
+        raise ValueError("read_into needs writable, contiguous buffers")
+    return out if out.format == "B" and out.ndim == 1 else out.cast("B")

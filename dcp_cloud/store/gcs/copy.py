@@ -7,13 +7,26 @@ with. The bytes never leave the service.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from ...errors import DcpCloudError
 from ..protocol import ObjectInfo
 from .compose import _epoch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .store import GCSStore
+
+class GCSStore(Protocol):
+    """What a rewrite needs of :class:`~dcp_cloud.store.gcs.store.GCSStore` (which calls it; no import back)."""
+
+    bucket: str
+    request_timeout: float
+
+    def _check_key(self, key: str) -> None: ...
+
+    def _client_(self) -> Any: ...
+
+    def _blob(self, key: str) -> Any: ...
+
+    def _error(self, exc: BaseException, key: str) -> DcpCloudError: ...
 
 
 def rewrite_object(store: GCSStore, source_key: str, key: str, source_bucket: str | None = None) -> ObjectInfo:

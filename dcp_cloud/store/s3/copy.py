@@ -9,18 +9,27 @@ copy again (copies are idempotent).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..protocol import ObjectInfo
+from ...errors import DcpCloudError
+from ..protocol import ObjectInfo, PartLimits
+from .responses import _etag, _server_time
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .store import S3Store
+
+class S3Store(Protocol):
+    """What a copy needs of :class:`~dcp_cloud.store.s3.store.S3Store` (which calls it; no import back)."""
+
+    bucket: str
+    copy_part_size: int
+    limits: PartLimits
+
+    def _client(self) -> Any: ...
+
+    def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError: ...
 
 
 def copy_object(store: S3Store, source_key: str, key: str, source_bucket: str | None = None) -> ObjectInfo:
     """Copy ``source_bucket/source_key`` (default: the store's bucket) to ``key`` of the store's bucket."""
-    from .store import _etag, _server_time
-
     bucket = source_bucket or store.bucket
     source = {"Bucket": bucket, "Key": source_key}
     client = store._client()
@@ -39,8 +48,6 @@ def copy_object(store: S3Store, source_key: str, key: str, source_bucket: str | 
 
 
 def _copy_in_parts(store: S3Store, client: Any, source: dict[str, str], key: str, size: int) -> ObjectInfo:
-    from .store import _etag, _server_time
-
     part = store.copy_part_size
     while -(-size // part) > store.limits.max_parts:
         part *= 2

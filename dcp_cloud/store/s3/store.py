@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import email.utils
 import http.client
 import os
 import re
@@ -13,10 +12,12 @@ from typing import Any
 
 from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, TransientStoreError
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
+from ..payload import out_view as _out_view
 from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 from .config import S3Config, _require
 from .copy import copy_object
 from .errors import _s3_url, _translate
+from .responses import _etag, _server_time, _timestamp
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -30,13 +31,6 @@ _DELETE_BATCH = 1000
 _COPY_CHUNK = 1 * MiB
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-def _out_view(out: memoryview) -> memoryview:
-    """A read target as a flat byte view of the same memory (never a copy)."""
-    if not out.c_contiguous or out.readonly:
-        raise ValueError("read_into needs writable, contiguous buffers")
-    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
 def _body(data: Payload) -> tuple[Any, list[memoryview]]:
@@ -87,25 +81,6 @@ def _unsigned_payload_over_tls(client: Any, transport_checksums: bool) -> None:
 
 def _crc_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
-
-
-def _etag(value: Any) -> str | None:
-    return str(value).strip('"') if value else None
-
-
-def _timestamp(value: Any) -> float | None:
-    """Seconds since the epoch of a datetime boto3 parsed, if any."""
-    return value.timestamp() if hasattr(value, "timestamp") else None
-
-
-def _server_time(response: dict[str, Any]) -> float | None:
-    """The server's clock when it answered (its Date header): the write time of a PUT/Complete,
-    whose responses carry no Last-Modified (1 s resolution)."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return email.utils.parsedate_to_datetime(date).timestamp() if date else None
-    except (TypeError, ValueError):
-        return None
 
 
 class S3Store:

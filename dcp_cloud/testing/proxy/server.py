@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import selectors
 import socket
 import ssl
 import threading
@@ -40,7 +39,7 @@ from .http import (
     _relay_body,
     _Upstream,
 )
-from .shaping import Pacer, Shaping, delay
+from .shaping import Pacer, Shaping, delay, hold, paced
 from .stats import ProxyStats, TrafficCount, _Counters
 
 
@@ -377,8 +376,8 @@ class FaultProxy:
         req_len = _body_length(headers)
         req_chunked = _has_token(headers, "transfer-encoding", "chunked")
 
-        count_request = _paced(self._tally(method, path, response=False), state["pace_up"])
-        count_response = _paced(self._tally(method, path, response=True), state["pace_down"])
+        count_request = paced(self._tally(method, path, response=False), state["pace_up"])
+        count_response = paced(self._tally(method, path, response=True), state["pace_down"])
 
         def read_body(sink: socket.socket | None) -> None:
             _relay_body(rfile, sink, buf, req_len if not req_chunked else None, req_chunked, False, count_request)
@@ -467,30 +466,11 @@ class FaultProxy:
         if kind == "reset":
             _close_hard(client)
         elif kind == "stall":
-            self._hold(client, self._plan.stall_seconds)
+            hold(client, self._plan.stall_seconds, self._stopping)
             _close_soft(client)
         else:
             _close_soft(client)
         state["closed"] = True
-
-    def _hold(self, client: socket.socket, seconds: float) -> None:
-        """Send nothing for ``seconds`` (less if the client hangs up or the proxy stops)."""
-        deadline = time.monotonic() + seconds
-        with selectors.DefaultSelector() as sel:
-            try:
-                sel.register(client, selectors.EVENT_READ)
-            except (OSError, ValueError):
-                return
-            while not self._stopping.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                if sel.select(min(left, 0.25)):
-                    try:
-                        if not client.recv(65536):
-                            return  # the client gave up: it noticed the stall
-                    except OSError:
-                        return
 
     def _rewrite_location(self, value: str) -> str:
         parts = urlsplit(value)
@@ -514,15 +494,3 @@ class FaultProxy:
         if close:
             headers.append(("Connection", "close"))
         client.sendall(_encode_head(f"HTTP/1.1 {status} {reason}", headers) + (body if method != "HEAD" else b""))
-
-
-def _paced(tally: Callable[[int], None], pace: Pacer) -> Callable[[int], None]:
-    """``tally`` followed by ``pace``: counted, then held back to the connection's bandwidth before it is sent."""
-    if pace.rate is None:
-        return tally
-
-    def count_and_wait(n: int) -> None:
-        tally(n)
-        pace(n)
-
-    return count_and_wait

@@ -23,6 +23,8 @@ not.
 from __future__ import annotations
 
 import math
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -86,3 +88,35 @@ def delay(seconds: float, stop: threading.Event) -> None:
     """Wait ``seconds`` (a one-way latency), or less if ``stop`` is set."""
     if seconds > 0:
         stop.wait(seconds)
+
+
+def paced(tally: Callable[[int], None], pace: Pacer) -> Callable[[int], None]:
+    """``tally`` followed by ``pace``: counted, then held back to the connection's bandwidth before it is sent."""
+    if pace.rate is None:
+        return tally
+
+    def count_and_wait(n: int) -> None:
+        tally(n)
+        pace(n)
+
+    return count_and_wait
+
+
+def hold(client: socket.socket, seconds: float, stop: threading.Event) -> None:
+    """Send nothing on ``client`` for ``seconds`` (a stall; less if the client hangs up or ``stop`` is set)."""
+    deadline = time.monotonic() + seconds
+    with selectors.DefaultSelector() as sel:
+        try:
+            sel.register(client, selectors.EVENT_READ)
+        except (OSError, ValueError):
+            return
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if sel.select(min(left, 0.25)):
+                try:
+                    if not client.recv(65536):
+                        return  # the client gave up: it noticed the stall
+                except OSError:
+                    return
