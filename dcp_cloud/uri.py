@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidURIError
+from .errors import CorruptCheckpointError, InvalidURIError
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
@@ -20,13 +21,34 @@ class CheckpointURI:
     prefix: str
 
     def key(self, name: str) -> str:
-        """The object key of ``name`` inside the checkpoint."""
-        return f"{self.prefix}/{name}" if self.prefix else name
+        """The object key of ``name`` inside the checkpoint (``../step-1000/x`` resolves to a sibling's object)."""
+        return join_key(self.prefix, name)
 
     def __str__(self) -> str:
         if self.scheme == "file":
             return f"file://{self.bucket}/{self.prefix}".rstrip("/")
         return f"{self.scheme}://{self.bucket}/{self.prefix}"
+
+
+def join_key(prefix: str, relative: str) -> str:
+    """The bucket key of ``relative`` (a storage record's path) under the checkpoint ``prefix``.
+
+    An incremental checkpoint's records name objects of earlier checkpoints as
+    ``../step-1000/__0_<token>.distcp``; such a path is normalized
+    (``run/step-2000/../step-1000/x`` is ``run/step-1000/x``), since object
+    stores do not resolve ``..`` in keys. A path that leaves the bucket (or
+    the local root) raises CorruptCheckpointError.
+    """
+    key = f"{prefix}/{relative}" if prefix else relative
+    if ".." not in relative and not relative.startswith("/"):
+        return key
+    normal = posixpath.normpath(key)
+    if relative.startswith("/") or normal == ".." or normal.startswith("../") or normal.startswith("/"):
+        raise CorruptCheckpointError(
+            f"the storage record path {relative!r} of the checkpoint at {prefix!r} points outside its bucket; "
+            "the metadata is damaged or was edited"
+        )
+    return normal
 
 
 def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> CheckpointURI:

@@ -75,17 +75,18 @@ def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..maintenance import list_checkpoints
 
-    found = list_checkpoints(args.uri, **store_kwargs(args))
+    found = list_checkpoints(args.uri, dependencies=args.deps, **store_kwargs(args))
     if args.json:
         _json({"root": args.uri, "checkpoints": found})
         return 0
     if not found:
         print(f"no checkpoints under {args.uri}")
         return 0
-    rows = [("STATE", "OBJECTS", "SIZE", "SAVED (UTC)", "URI")]
+    rows = [("STATE", "OBJECTS", "SIZE", "SAVED (UTC)", "URI") + (("BASED ON",) if args.deps else ())]
     for info in found:
         state = "committed" if info.committed else "partial"
-        rows.append((state, str(info.object_count), size(info.total_bytes), when(info.save_time), info.uri))
+        row = (state, str(info.object_count), size(info.total_bytes), when(info.save_time), info.uri)
+        rows.append(row + ((", ".join(info.depends_on) or "-",) if args.deps else ()))
     _table(rows, right=(1, 2))
     partial = sum(1 for info in found if not info.committed)
     if partial:
@@ -180,7 +181,12 @@ def cmd_cp(args: argparse.Namespace) -> int:
     from ..maintenance import copy_checkpoint
 
     report = copy_checkpoint(
-        args.source, args.destination, overwrite=args.overwrite, verify=not args.no_verify, progress=_bars(args)
+        args.source,
+        args.destination,
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
+        standalone=args.standalone,
+        progress=_bars(args),
     )
     if args.json:
         _json(report)

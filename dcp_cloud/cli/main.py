@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the checkpoints (committed or not) under URI, with their size and commit time.",
     )
     ls.add_argument("uri", metavar="URI", help="root prefix, e.g. s3://bucket/run-7 (or a whole bucket)")
+    ls.add_argument(
+        "--deps",
+        action="store_true",
+        help="read each committed checkpoint's metadata and show which checkpoints it is based on (incremental)",
+    )
 
     inspect = commands.add_parser(
         "inspect",
@@ -146,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     cp.add_argument(
         "--no-verify", action="store_true", help="within one store: skip reading the copies back to check them"
+    )
+    cp.add_argument(
+        "--standalone",
+        action="store_true",
+        help="copy an incremental checkpoint with the base objects it references, into a self-contained one",
     )
 
     rm = commands.add_parser(

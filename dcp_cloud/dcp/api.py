@@ -43,6 +43,15 @@ class S3Writer(CloudWriter):
     stock ``FileSystemReader`` loads a downloaded copy (with ``zstandard``
     installed); checksums cover the stored bytes. Compressed items are read
     whole: resharding loads cannot fetch byte ranges of them.
+
+    ``base="s3://bucket/run/step-1000"`` makes the save incremental: items
+    whose fqn, chunk, dtype and content hash (XXH3-128) equal an item of that
+    committed checkpoint (same bucket) are not uploaded; the new checkpoint's
+    records point at the base's bytes (``../step-1000/...``), and loading it
+    needs only its own URI. ``hashes`` (default: on with ``base``) records
+    every item's hash, so the checkpoint can be a base later: save the first
+    checkpoint of a run with ``hashes=True``; items of a base saved without
+    hashes count as changed. See :mod:`dcp_cloud.dcp.incremental`.
     """
 
     def __init__(
@@ -60,6 +69,8 @@ class S3Writer(CloudWriter):
         staging: StagingConfig | None = None,
         compression: str | None = None,
         compression_level: int = 3,
+        base: str | os.PathLike[str] | None = None,
+        hashes: bool | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -71,6 +82,8 @@ class S3Writer(CloudWriter):
             staging=staging,
             compression=compression,
             compression_level=compression_level,
+            base=base,
+            hashes=hashes,
         )
 
     @classmethod
@@ -122,6 +135,8 @@ class GCSWriter(CloudWriter):
     ``endpoint`` and ``credentials`` override them (an explicit credentials
     object is never pickled: use ``GCSConfig(credentials_file=...)`` with the
     process-based ``async_save``).
+
+    ``base=`` and ``hashes=`` save incrementally, as for :class:`S3Writer`.
     """
 
     def __init__(
@@ -139,6 +154,8 @@ class GCSWriter(CloudWriter):
         staging: StagingConfig | None = None,
         compression: str | None = None,
         compression_level: int = 3,
+        base: str | os.PathLike[str] | None = None,
+        hashes: bool | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -150,6 +167,8 @@ class GCSWriter(CloudWriter):
             staging=staging,
             compression=compression,
             compression_level=compression_level,
+            base=base,
+            hashes=hashes,
         )
 
     @classmethod
@@ -188,7 +207,11 @@ class GCSReader(CloudReader):
 
 
 class LocalWriter(CloudWriter):
-    """Save to a directory (``file:///dir``, or a plain path as stock FileSystemWriter takes) through the engine."""
+    """Save to a directory (``file:///dir``, or a plain path as stock FileSystemWriter takes) through the engine.
+
+    ``base=`` (a committed checkpoint directory beside this one, in the same parent) and ``hashes=`` save
+    incrementally, as for :class:`S3Writer`.
+    """
 
     def __init__(
         self,
@@ -201,6 +224,8 @@ class LocalWriter(CloudWriter):
         staging: StagingConfig | None = None,
         compression: str | None = None,
         compression_level: int = 3,
+        base: str | os.PathLike[str] | None = None,
+        hashes: bool | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -212,6 +237,8 @@ class LocalWriter(CloudWriter):
             staging=staging,
             compression=compression,
             compression_level=compression_level,
+            base=base,
+            hashes=hashes,
         )
 
 

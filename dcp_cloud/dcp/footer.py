@@ -185,10 +185,11 @@ def _missing(exc: BaseException, url: str, start: int, length: int) -> CorruptCh
 def item_extras(store: ObjectStore, prefix: str, metadata: Any, info: Any) -> ItemExtras | None:
     """What dcp_cloud recorded about the item of storage record ``info`` of the checkpoint under ``prefix``:
     from its object's footer (format 2) or the record itself (format 1); None for stock-written items."""
+    from ..uri import join_key
     from .layout import extras_of, footer_table
 
     table = footer_table(metadata)
     if table is None:
         return extras_of(info)
-    key = f"{prefix}/{info.relative_path}" if prefix else info.relative_path
+    key = join_key(prefix, info.relative_path)
     return fetch(store, key, store.url(key), table[info.relative_path]).get(int(info.offset))

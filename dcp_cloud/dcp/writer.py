@@ -34,10 +34,11 @@ from ..planner.load import share_chunk_lists
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
 from . import compression as _compression
-from . import framing
+from . import framing, incremental
 from .backend import Backend
 from .base import CloudBase, log
 from .checksum import BlockHasher
+from .contenthash import digest as content_digest
 from .footer import FooterEntry
 from .footer import encode as encode_footer
 from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
@@ -66,6 +67,8 @@ class _ShardPlan:
     """storage_data of a SavePlan: the object this rank writes."""
 
     name: str
+    #: Base items this rank's items may equal (incremental saves; see .incremental).
+    refs: dict[Any, incremental.BaseRef] | None = None
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -123,9 +126,16 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         staging: StagingConfig | None = None,
         compression: str | None = None,
         compression_level: int = 3,
+        base: str | os.PathLike[str] | None = None,
+        hashes: bool | None = None,
     ) -> None:
         _compression.validate(compression, compression_level)
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
+        #: The committed checkpoint whose unchanged items this save references instead of uploading.
+        self.base = None if base is None else str(base)
+        #: Record each item's content hash (so this checkpoint can be a base); on by default with ``base``.
+        self.hashes = (base is not None) if hashes is None else bool(hashes)
+        self._base_footers: dict[str, tuple[int, int]] = {}
         self.overwrite = overwrite
         self.checksums = checksums
         #: ``"zstd"``: every item stored as torch's ZStandard extension stores it (see .compression).
@@ -190,6 +200,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True to replace "
                 "it, or save under a new checkpoint_id"
             )
+        if self.base is not None:  # on every rank, before any collective step
+            base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
+            incremental.check_committed(self._retrying(), base)
         self._unchecked = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -228,8 +241,19 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)
+        index = None
+        if self.base is not None:  # one GET of the base's metadata, on the coordinator only
+            base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
+            index = incremental.read_base(self._retrying(), base, self.uri)
+            self._base_footers = index.footers
         return [
-            dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token))) for i, plan in enumerate(plans)
+            dataclasses.replace(
+                plan,
+                storage_data=_ShardPlan(
+                    shard_name(i, token), incremental.refs_for(plan, index) if index is not None else None
+                ),
+            )
+            for i, plan in enumerate(plans)
         ]
 
     # -- data -------------------------------------------------------------
@@ -243,6 +267,20 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        # Hashed items: each is hashed from memory first, then uploaded only if it differs from its base item.
+        refs = shard.refs or {}
+        resolved: dict[Any, tuple[Any, bytes | None]] = {}
+        unchanged: list[WriteResult] = []
+        if self.hashes:
+            for item in items:
+                data = planner.resolve_data(item)
+                digest = content_digest(data)
+                ref = refs.get(item.index)
+                if ref is not None and ref.digest == digest:
+                    unchanged.append(incremental.reference_result(item, ref))
+                else:
+                    resolved[item.index] = (data, digest)
+            items = [it for it in items if it.index in resolved]
         # torch.save's storage alignment, read once per save (a process setting that framing depends on)
         self._alignment = framing.storage_alignment() if items else 0
         if items:
@@ -253,8 +291,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 try:
                     entries: list[FooterEntry] = []
                     for item in items:
-                        result, entry = self._write_item(stream, shard.name, item, planner)
-                        results.append(result)
+                        data, digest = resolved.pop(item.index, (None, None))
+                        result, entry = self._write_item(stream, shard.name, item, planner, data)
+                        results.append(incremental.tag(result, digest))
                         entries.append(entry)
                     # The index footer after the last item; its place travels to finish() on one result.
                     footer = encode_footer(entries)
@@ -267,6 +306,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 peak = engine.budget.peak
         else:
             peak = 0
+        results.extend(unchanged)  # after the written ones: results[0] carries the footer place
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
         written = sum(r.size_in_bytes for r in results)
@@ -276,11 +316,11 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         return fut
 
     def _write_item(
-        self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner
+        self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, data: Any = None
     ) -> tuple[WriteResult, FooterEntry]:
         block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
         hasher = BlockHasher(block) if block else None
-        data = planner.resolve_data(item)
+        data = planner.resolve_data(item) if data is None else data
         if self.compression is not None:
             start = stream.tell()
             _compression.write_item(stream, data, hasher, self.compression_level)
@@ -360,7 +400,10 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 storage[wr.index] = wr.storage_data
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        set_footer_table(metadata, footers)
+        digests, referenced = incremental.collect(results, self._base_footers)
+        set_footer_table(metadata, {**footers, **referenced})
+        if self.hashes and digests:
+            incremental.record_digests(metadata, digests)
         share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
         metadata.version = DCP_VERSION
         body = dump_metadata(metadata)

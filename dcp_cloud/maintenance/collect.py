@@ -15,6 +15,7 @@ from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI
 from .common import _METADATA, GCReport, _basename, _dirname, _group, _is_shard, _newest, _open, _Root, log
+from .dependents import committed_under, referenced_keys
 from .progress import Progress, or_silent
 
 
@@ -60,8 +61,11 @@ def _pending_uploads(root: _Root) -> list[_Upload]:
 class _Collector:
     """The state of one gc run."""
 
-    def __init__(self, root: _Root, older_than: float, dry_run: bool) -> None:
+    def __init__(self, root: _Root, older_than: float, dry_run: bool, protected: set[str] | None = None) -> None:
         self.root = root
+        #: Keys that some committed checkpoint under the root references (incremental checkpoints reference
+        #: their bases' objects): never deleted, whatever their prefix looks like.
+        self.protected = protected or set()
         self.dry_run = dry_run
         self.now = time.time()
         self.cutoff = self.now - older_than
@@ -99,6 +103,9 @@ class _Collector:
 
     def delete(self, objs: list[ObjectInfo], why: str) -> None:
         objs = [o for o in objs if _basename(o.key) != _METADATA]  # never, whatever the caller decided
+        for obj in [o for o in objs if o.key in self.protected]:
+            self.skip(obj.key, "referenced by a committed checkpoint (an incremental checkpoint's base data)")
+        objs = [o for o in objs if o.key not in self.protected]
         if not objs:
             return
         if not self.dry_run:
@@ -200,7 +207,9 @@ def gc(
       the metadata does not reference (left by an interrupted overwrite) and
       that are older than ``older_than`` are deleted.
 
-    ``.metadata`` and every object it references are never deleted; nothing
+    ``.metadata`` and every object any committed checkpoint under the root
+    references (an incremental checkpoint's records name objects of its
+    bases) are never deleted; nothing
     newer than ``older_than`` (or of unknown age) is touched; a committed
     checkpoint whose metadata cannot be read is left alone and listed in
     ``skipped``. With ``dry_run`` nothing is changed and the report says what
@@ -212,7 +221,15 @@ def gc(
     root = _open(uri, transfer, retry, store_kwargs, root=True, store=store)
     try:
         root.store.check_bucket()
-        run = _Collector(root, float(older_than), bool(dry_run))
+        # Every object a committed checkpoint under the root references, its own or another's (one GET of
+        # each committed metadata), read before anything is listed for deletion.
+        protected: set[str] = set()
+        for prefix, metadata in committed_under(root, root.prefix).items():
+            try:
+                protected |= referenced_keys(prefix, metadata)
+            except (AttributeError, TypeError):  # malformed records: that checkpoint is skipped below
+                continue
+        run = _Collector(root, float(older_than), bool(dry_run), protected)
         uploads = _pending_uploads(root)
         groups = _group(root.store.list(root.list_prefix()))
         by_prefix: dict[str, list[_Upload]] = defaultdict(list)

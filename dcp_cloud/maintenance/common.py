@@ -52,6 +52,9 @@ class CheckpointInfo:
     save_time: float | None
     #: Newest object under the prefix (seconds since the epoch), if the store reports it.
     last_modified: float | None
+    #: URIs of the checkpoints whose objects this one references (an incremental checkpoint's bases);
+    #: filled by ``list_checkpoints(..., dependencies=True)`` only.
+    depends_on: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,13 @@ Two ways, chosen per call:
 The destination's ``.metadata`` (the source's, byte for byte) is written
 last and create-only, so the copy is committed only once every shard is in
 place; a committed destination is refused unless ``overwrite``.
+
+An incremental checkpoint (records naming ``../step-1000/...`` objects of its
+bases) is copied only with ``standalone=True``: every object it references,
+its own and its bases', is copied whole under the destination prefix and the
+metadata is rewritten to name them there, so the copy needs no base (it
+*materializes* the references; whole base objects are copied, including
+items the checkpoint no longer uses).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ..errors import (
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
+from ..uri import join_key
 from .common import _METADATA, _is_shard, _open, _read_committed, _Root, log
 from .progress import Progress, or_silent
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
@@ -78,6 +86,7 @@ def copy_checkpoint(
     source_options: dict[str, Any] | None = None,
     destination_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    standalone: bool = False,
 ) -> CopyReport:
     """Copy the committed checkpoint at ``source`` to ``destination`` (any of s3://, gs://, file://).
 
@@ -90,7 +99,9 @@ def copy_checkpoint(
     another copy commits it meanwhile), ChecksumMismatchError /
     CorruptCheckpointError if a source object is damaged (nothing is
     committed then), UnsupportedCheckpointError for a checkpoint referencing
-    objects outside its prefix. ``progress`` hears of the bytes copied.
+    objects outside its prefix (an incremental checkpoint) unless
+    ``standalone``, which copies the base objects too and rewrites the
+    metadata to name them in the copy. ``progress`` hears of the bytes copied.
     """
     started = time.perf_counter()
     src = _open(source, transfer, retry, dict(source_options or {}), root=False, store=source_store)
@@ -100,7 +111,7 @@ def copy_checkpoint(
         src.close()
         raise
     try:
-        return _copy(src, dst, overwrite, verify, or_silent(progress), started)
+        return _copy(src, dst, overwrite, verify, or_silent(progress), started, standalone)
     finally:
         src.close()
         dst.close()
@@ -114,18 +125,21 @@ def _same_service(src: _Root, dst: _Root) -> bool:
     return bool(src.backend == dst.backend)
 
 
-def _copy(src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, started: float) -> CopyReport:
+def _copy(
+    src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, started: float, standalone: bool = False
+) -> CopyReport:
     source, destination = src.checkpoint_uri(src.prefix), dst.checkpoint_uri(dst.prefix)
     if _same_service(src, dst) and (src.bucket, src.prefix) == (dst.bucket, dst.prefix):
         raise ConfigError(f"cp source and destination are the same checkpoint ({source})")
     metadata, body = _read_committed(src)
     names = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
     outside = [n for n in names if "/" in n or n in ("", ".", "..")]
-    if outside:
+    if outside and not standalone:
         raise UnsupportedCheckpointError(
             f"{source} references objects outside its prefix (e.g. {outside[0]!r}, an incremental checkpoint); "
-            "cp copies self-contained checkpoints only"
+            "pass standalone=True (cp --standalone) to copy it with the base objects it references"
         )
+    rename = _standalone_names(source, names) if outside else {n: n for n in names}
     dst.store.check_bucket()
     meta_key = f"{dst.prefix}/{_METADATA}"
     try:
@@ -139,21 +153,23 @@ def _copy(src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, 
         )
     sizes = _source_sizes(src, metadata, names)
     regions, checked, unchecked = stream_checkers(
-        metadata, lambda name: src.url(f"{src.prefix}/{name}"), ExtrasFinder(src, metadata)
+        metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)
     )
     server_side = _same_service(src, dst)
     bar.start(f"cp {source} -> {destination}", sum(sizes.values()))
     try:
         if server_side:
-            _copy_server_side(src, dst, sizes, bar)
+            _copy_server_side(src, dst, sizes, bar, rename)
             if verify:
-                _check_copies(dst, sizes, regions)
+                _check_copies(dst, sizes, regions, rename)
             else:
                 checked, unchecked = 0, checked + unchecked
         else:
-            _copy_streaming(src, dst, sizes, regions, bar)
+            _copy_streaming(src, dst, sizes, regions, bar, rename)
     finally:
         bar.done()
+    if outside:
+        body = _renamed_metadata(metadata, rename)
     try:
         dst.store.put(meta_key, body, create_only=not overwrite)
     except PreconditionFailedError as exc:
@@ -161,7 +177,7 @@ def _copy(src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, 
             f"{destination} was committed by someone else while cp ran; nothing of this copy is referenced there"
         ) from exc
     if overwrite:
-        _delete_unreferenced(dst, set(names))
+        _delete_unreferenced(dst, set(rename.values()))
     report = CopyReport(
         source=source,
         destination=destination,
@@ -193,7 +209,7 @@ def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]
         needed[name] = max(needed[name], int(info.offset) + int(info.length))
     sizes = {}
     for name in names:
-        key = f"{src.prefix}/{name}"
+        key = join_key(src.prefix, name)
         try:
             size = src.store.head(key).size
         except ObjectNotFoundError as exc:
@@ -209,13 +225,38 @@ def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]
     return sizes
 
 
-def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progress) -> None:
+def _standalone_names(source: str, names: list[str]) -> dict[str, str]:
+    """Each referenced object's name in a standalone copy: its base name (shard names carry a per-save token)."""
+    rename = {name: name.rpartition("/")[2] for name in names}
+    if len(set(rename.values())) != len(rename):
+        raise UnsupportedCheckpointError(
+            f"{source} references two objects of the same name in different checkpoints; "
+            "a standalone copy cannot hold both under one prefix"
+        )
+    return rename
+
+
+def _renamed_metadata(metadata: Any, rename: dict[str, str]) -> bytes:
+    """The metadata of a standalone copy: records, footer table and hash table name the copied objects."""
+    from ..dcp.layout import META_ATTR, dump_metadata
+
+    for info in metadata.storage_data.values():
+        info.relative_path = rename[str(info.relative_path)]
+    extras = getattr(metadata.storage_meta, META_ATTR, None)
+    if isinstance(extras, dict):
+        for table in ("footers", "hashes"):
+            if isinstance(extras.get(table), dict):
+                extras[table] = {rename.get(k, k): v for k, v in extras[table].items()}
+    return dump_metadata(metadata)
+
+
+def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progress, rename: dict[str, str]) -> None:
     source_bucket = None if src.bucket == dst.bucket else src.bucket
     with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
         store = engine.store
 
         def copy(name: str) -> None:
-            store.copy(f"{src.prefix}/{name}", f"{dst.prefix}/{name}", source_bucket=source_bucket)
+            store.copy(join_key(src.prefix, name), f"{dst.prefix}/{rename[name]}", source_bucket=source_bucket)
 
         futures: dict[Future[Any], str] = {engine.submit(copy, name): name for name in sizes}
         try:
@@ -227,26 +268,28 @@ def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progre
                 fut.cancel()
 
 
-def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any]) -> None:
+def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any], rename: dict[str, str]) -> None:
     """Read the server-side copies back and check every CRC32C against the source's metadata."""
     with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
         for name, size in sizes.items():
-            key = f"{dst.prefix}/{name}"
+            key = f"{dst.prefix}/{rename[name]}"
             if name in regions:
                 _stream(engine, key, size, stream_checker(regions[name], dst.url(key)), None, None)
 
 
-def _copy_streaming(src: _Root, dst: _Root, sizes: dict[str, int], regions: dict[str, Any], bar: Progress) -> None:
+def _copy_streaming(
+    src: _Root, dst: _Root, sizes: dict[str, int], regions: dict[str, Any], bar: Progress, rename: dict[str, str]
+) -> None:
     with (
         TransferEngine(src.raw, src.transfer, src.retry) as reads,
         TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,
     ):
         for name, size in sizes.items():
-            key = f"{dst.prefix}/{name}"
-            checker = stream_checker(regions.get(name, []), src.url(f"{src.prefix}/{name}"))
+            key = f"{dst.prefix}/{rename[name]}"
+            checker = stream_checker(regions.get(name, []), src.url(join_key(src.prefix, name)))
             writer = open_writer(writes, key, size)
             try:
-                _stream(reads, f"{src.prefix}/{name}", size, checker, writer, bar)
+                _stream(reads, join_key(src.prefix, name), size, checker, writer, bar)
                 writer.commit()
             except BaseException:
                 writer.abort()

@@ -6,7 +6,8 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..store.protocol import ObjectStore
-from .common import _METADATA, CheckpointInfo, _basename, _group, _is_shard, _open
+from .common import _METADATA, CheckpointInfo, _basename, _dirname, _group, _is_shard, _open
+from .dependents import committed_under, referenced_keys
 
 
 def list_checkpoints(
@@ -15,16 +16,24 @@ def list_checkpoints(
     transfer: TransferConfig | None = None,
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
+    dependencies: bool = False,
     **store_kwargs: Any,
 ) -> list[CheckpointInfo]:
     """Every checkpoint prefix under the root ``uri``, committed or not, sorted by prefix.
 
-    Lists objects only (no metadata is read). Raises BucketNotFoundError /
-    AccessDeniedError for an unusable bucket.
+    Lists objects only (no metadata is read), unless ``dependencies``: then
+    the metadata of every committed checkpoint is read to fill each one's
+    ``depends_on`` (the checkpoints an incremental checkpoint references).
+    Raises BucketNotFoundError / AccessDeniedError for an unusable bucket.
     """
     root = _open(uri, transfer, retry, store_kwargs, root=True, store=store)
     try:
         root.store.check_bucket()
+        bases: dict[str, tuple[str, ...]] = {}
+        if dependencies:
+            for prefix, metadata in committed_under(root, root.prefix).items():
+                others = {_dirname(key) for key in referenced_keys(prefix, metadata)} - {prefix}
+                bases[prefix] = tuple(root.checkpoint_uri(p) for p in sorted(others))
         found = []
         for prefix, objs in _group(root.store.list(root.list_prefix())).items():
             meta = next((o for o in objs if _basename(o.key) == _METADATA), None)
@@ -39,6 +48,7 @@ def list_checkpoints(
                     shard_count=sum(1 for o in objs if _is_shard(o.key)),
                     save_time=meta.modified if meta is not None else None,
                     last_modified=max(times) if times else None,
+                    depends_on=bases.get(prefix, ()),
                 )
             )
         return found

@@ -13,6 +13,7 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
+from ..uri import join_key
 from .common import _METADATA, VerifyReport, _open, _Root, log
 from .progress import Progress, or_silent
 
@@ -99,7 +100,7 @@ def verify(
                 raise CorruptCheckpointError(
                     f"{root.url(meta_key)}: the storage record of {index.fqn!r} names no object"
                 )
-            key = f"{root.prefix}/{relative}"
+            key = join_key(root.prefix, relative)  # an incremental checkpoint's ../ records: the base's object
             needed[key] = max(needed[key], int(info.offset) + int(info.length))
             extras = extras_for(relative, info, index)
             if extras is None or extras.block_size <= 0:
@@ -190,7 +191,7 @@ class ExtrasFinder:
 
         if self.table is None:
             return extras_of(info)
-        key = f"{self.root.prefix}/{relative}"
+        key = join_key(self.root.prefix, relative)
         footer = self.footers.get(key)
         if footer is None:
             place = self.table.get(relative)

@@ -1,0 +1,246 @@
+"""Incremental checkpoints: reuse the unchanged items of a committed base checkpoint instead of uploading them.
+
+``S3Writer("s3://b/run/step-2000", base="s3://b/run/step-1000")`` saves a
+checkpoint whose unchanged items are *references*: their ``_StorageInfo``
+records name the base's bytes (``../step-1000/__0_<token>.distcp``, offset,
+length), exactly as stock torch's ``FileSystemReader`` resolves relative paths
+on a filesystem, so a downloaded run directory loads with plain torch.
+
+How one save goes:
+
+1. every rank checks, in the writer's constructor (before any collective),
+   that the base is in the same bucket and committed;
+2. the coordinator reads the base's ``.metadata`` once
+   (``prepare_global_plan``) and ships to each rank, in its plan's
+   ``storage_data``, a :class:`BaseRef` for each of its items whose fqn, chunk
+   offsets and sizes and dtype match a base item that has a recorded hash.
+   A base item that is itself a reference is resolved to the object it names,
+   so records never chain: a load reads each item from where its bytes are;
+3. each rank hashes each item (:mod:`.contenthash`, XXH3-128 of the raw bytes)
+   and uploads only those whose hash differs from their ``BaseRef``'s;
+4. the coordinator commits: references' objects join the footer table (the
+   base's footer places), and every item's hash is recorded, so the new
+   checkpoint can be a base in turn.
+
+Hashes live in the metadata's ``StorageMeta`` extra (``"hashes"``, beside the
+footer table): per object path, the 16-byte digests of the records naming
+that object, in order of their offsets -- 16 bytes per item plus one key per
+object. Stock torch ignores the attribute. A base saved without hashes (an
+older checkpoint, or ``hashes=False``) has every item counted as changed.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
+from ..uri import CheckpointURI, join_key, parse_uri
+from .contenthash import DIGEST_SIZE
+from .layout import META_ATTR, METADATA_NAME, footer_table, load_metadata, storage_info, transform_descriptors
+
+#: Attribute on a write result carrying its item's digest to ``finish`` (removed before the metadata is written).
+DIGEST_RESULT_ATTR = "_dcp_cloud_digest"
+#: Key of the hash table in the metadata's ``StorageMeta`` extra.
+HASHES_KEY = "hashes"
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """Where the base keeps an item's bytes, relative to the *new* checkpoint, and their hash."""
+
+    relative_path: str
+    offset: int
+    length: int
+    digest: bytes
+    #: torch's transform descriptors of the stored item (compressed items), copied to the reference.
+    transforms: Any = None
+
+
+def parse_base(target: CheckpointURI, base: str | Any, schemes: tuple[str, ...]) -> CheckpointURI:
+    """The base's URI, checked to be another checkpoint in the same store and bucket (ConfigError otherwise)."""
+    try:
+        parsed = parse_uri(base, schemes)
+    except Exception as exc:  # noqa: BLE001 - a base of another scheme is a config mistake, said as one
+        raise ConfigError(
+            f"base={str(base)!r} cannot be a base of {target}: {exc}. The base must be a committed checkpoint "
+            "in the same bucket (or local root) as the new one"
+        ) from exc
+    if (parsed.scheme, parsed.bucket) != (target.scheme, target.bucket):
+        raise ConfigError(
+            f"base={str(parsed)!r} is in another store or bucket than {target}: an incremental checkpoint "
+            "references its base's objects by relative path, so both must be in the same bucket (or, on disk, "
+            "the same parent directory). Copy the base there first, or save without base="
+        )
+    if parsed.prefix == target.prefix:
+        raise ConfigError(f"base={str(parsed)!r} is the checkpoint being saved; name an earlier checkpoint")
+    return parsed
+
+
+def check_committed(store: Any, base: CheckpointURI) -> None:
+    """CheckpointNotFoundError unless the base has a committed ``.metadata`` (one HEAD)."""
+    try:
+        store.head(base.key(METADATA_NAME))
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"base={base} has no committed {METADATA_NAME}: it does not exist or its save never finished. "
+            "Name a committed checkpoint as base (`dcp-cloud ls` lists them), or save without base="
+        ) from exc
+
+
+# -- coordinator: base metadata -> per-rank references ---------------------------------------------
+
+
+def hash_table(metadata: Metadata) -> dict[str, bytes]:
+    """``relative_path -> digests`` recorded in a checkpoint's metadata ({} when it has none)."""
+    extras = getattr(metadata.storage_meta, META_ATTR, None)
+    table = extras.get(HASHES_KEY) if isinstance(extras, dict) else None
+    return table if isinstance(table, dict) else {}
+
+
+def record_digests(metadata: Metadata, digests: dict[tuple[str, int], bytes]) -> None:
+    """Record ``(relative_path, offset) -> digest`` of every item in the metadata's extra (after the footer
+    table is set)."""
+    by_path: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
+    for (path, offset), value in digests.items():
+        by_path[path].append((offset, value))
+    table = {path: b"".join(d for _, d in sorted(pairs)) for path, pairs in by_path.items()}
+    getattr(metadata.storage_meta, META_ATTR)[HASHES_KEY] = table
+
+
+def _digests_by_record(metadata: Metadata) -> dict[tuple[str, int], bytes]:
+    table = hash_table(metadata)
+    if not table:
+        return {}
+    offsets: dict[str, list[int]] = defaultdict(list)
+    for info in metadata.storage_data.values():
+        if info.relative_path in table:
+            offsets[info.relative_path].append(int(info.offset))
+    out = {}
+    for path, blob in table.items():
+        places = sorted(offsets.get(path, ()))
+        if not isinstance(blob, bytes) or len(blob) != DIGEST_SIZE * len(places):
+            raise CorruptCheckpointError(
+                f"the content-hash record of {path!r} does not match the metadata's {len(places)} item(s) there; "
+                "the metadata is damaged or was edited"
+            )
+        for i, offset in enumerate(places):
+            out[(path, offset)] = blob[DIGEST_SIZE * i : DIGEST_SIZE * (i + 1)]
+    return out
+
+
+@dataclass
+class BaseIndex:
+    """What the coordinator learned from the base's metadata."""
+
+    #: item -> (type, chunk sizes or None, dtype or None, reference)
+    items: dict[MetadataIndex, tuple[WriteItemType, Any, Any, BaseRef]]
+    #: relative path (from the new checkpoint) -> the footer place of that base object
+    footers: dict[str, tuple[int, int]]
+
+
+def read_base(store: Any, base: CheckpointURI, target: CheckpointURI) -> BaseIndex:
+    """Read the base's metadata (one GET) and index its hashed items by what the new save's items are named."""
+    key = base.key(METADATA_NAME)
+    try:
+        body = store.get(key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"base={base} lost its {METADATA_NAME} while this save ran") from exc
+    metadata = load_metadata(body, store.url(key))
+    digests = _digests_by_record(metadata)
+    base_footers = footer_table(metadata) or {}
+    items: dict[MetadataIndex, tuple[WriteItemType, Any, Any, BaseRef]] = {}
+    footers: dict[str, tuple[int, int]] = {}
+    chunks = _chunk_sizes(metadata)
+    for index, info in metadata.storage_data.items():
+        found = digests.get((info.relative_path, int(info.offset)))
+        place = base_footers.get(info.relative_path)
+        if found is None or place is None:
+            continue
+        # Resolve chains: the key the base's record names, as a path relative to the new checkpoint.
+        relative = posixpath.relpath(join_key(base.prefix, info.relative_path), target.prefix)
+        ref = BaseRef(relative, int(info.offset), int(info.length), found, transform_descriptors(info))
+        footers[relative] = tuple(place)  # type: ignore[assignment]
+        if index.offset is None:
+            items[index] = (WriteItemType.BYTE_IO, None, None, ref)
+        else:
+            sizes, dtype = chunks.get((index.fqn, tuple(index.offset)), (None, None))
+            if sizes is not None:
+                items[index] = (WriteItemType.TENSOR, sizes, dtype, ref)
+    return BaseIndex(items, footers)
+
+
+def _chunk_sizes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], Any]]:
+    out = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        chunks = getattr(meta, "chunks", None)
+        if chunks is None:
+            continue
+        dtype = meta.properties.dtype
+        for chunk in chunks:
+            out[(fqn, tuple(chunk.offsets))] = (tuple(chunk.sizes), dtype)
+    return out
+
+
+def refs_for(plan: SavePlan, base: BaseIndex) -> dict[MetadataIndex, BaseRef]:
+    """The base items that this rank's items may equal (same fqn, chunk offsets and sizes, dtype)."""
+    out = {}
+    for item in plan.items:
+        found = base.items.get(item.index)
+        if found is None or not _same_shape(item, found):
+            continue
+        out[item.index] = found[3]
+    return out
+
+
+def _same_shape(item: WriteItem, found: tuple[WriteItemType, Any, Any, BaseRef]) -> bool:
+    kind, sizes, dtype, _ = found
+    if item.type == WriteItemType.BYTE_IO or kind == WriteItemType.BYTE_IO:
+        return item.type == kind
+    data = item.tensor_data
+    return data is not None and tuple(data.chunk.sizes) == sizes and data.properties.dtype == dtype
+
+
+# -- ranks: hashing and reference records ---------------------------------------------------------
+
+
+def reference_result(item: WriteItem, ref: BaseRef) -> Any:
+    """The write result of an unchanged item: a record naming the base's bytes."""
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    info = storage_info(ref.relative_path, ref.offset, ref.length)
+    if ref.transforms:
+        info.transform_descriptors = ref.transforms
+    setattr(info, DIGEST_RESULT_ATTR, ref.digest)
+    return WriteResult(index=item.index, size_in_bytes=0, storage_data=info)
+
+
+def tag(result: Any, digest: bytes | None) -> Any:
+    """Attach an item's digest to its write result (for :func:`collect`)."""
+    if digest is not None:
+        setattr(result.storage_data, DIGEST_RESULT_ATTR, digest)
+    return result
+
+
+def collect(results: list[list[Any]], base_footers: dict[str, tuple[int, int]]) -> tuple[dict, dict]:
+    """On the coordinator: the digests of every result (removed from the records), and the footer places of
+    the base objects the results reference."""
+    digests: dict[tuple[str, int], bytes] = {}
+    footers: dict[str, tuple[int, int]] = {}
+    missing = False
+    for rank_results in results:
+        for wr in rank_results:
+            info = wr.storage_data
+            value = info.__dict__.pop(DIGEST_RESULT_ATTR, None)
+            if value is None:
+                missing = True
+            else:
+                digests[(info.relative_path, int(info.offset))] = value
+            if info.relative_path.startswith("../"):
+                footers[info.relative_path] = base_footers[info.relative_path]
+    return ({} if missing else digests), footers

@@ -1,0 +1,262 @@
+"""Incremental checkpoints (issue #11): ``base=`` uploads only changed items; loads, gc, rm, verify, ls and cp
+follow the references; failures leave the base alone and commit nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_cloud
+from dcp_cloud import (
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    ConfigError,
+    LocalReader,
+    LocalWriter,
+    S3Reader,
+    S3Writer,
+)
+from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.proxy import FaultProxy
+
+FROZEN = (1024, 1024)  # 4 MiB fp32: the "base model"
+
+
+def _state(seed: int, step: int) -> dict[str, Any]:
+    """A frozen base (same every step) plus adapters and Adam moments that change with ``step``."""
+    frozen = torch.Generator().manual_seed(seed)
+    moving = torch.Generator().manual_seed(seed * 1000 + step)
+    return {
+        "base.weight": torch.randn(FROZEN, generator=frozen),
+        "base.bias": torch.randn(1024, generator=frozen).to(torch.bfloat16),
+        "lora.A": torch.randn(1024, 16, generator=moving),
+        "lora.B": torch.randn(16, 1024, generator=moving),
+        "optim.exp_avg": torch.randn(16, 1024, generator=moving),
+        "step": step,
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def _load(uri: str, like: dict[str, Any], reader: Any = None) -> dict[str, Any]:
+    out = _zeros_like(like)
+    dcp.load(out, storage_reader=reader or S3Reader(uri))
+    return out
+
+
+def _records(bucket_client: Any, bucket: str, prefix: str) -> dict[str, str]:
+    from dcp_cloud.dcp.layout import load_metadata
+
+    body = bucket_client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
+    metadata = load_metadata(body, prefix)
+    return {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+
+
+@pytest.fixture
+def chain(s3_bucket: str) -> dict[str, Any]:
+    """step-1 full (with hashes), step-2 based on step-1, step-3 based on step-2."""
+    root = f"s3://{s3_bucket}/run"
+    states = {n: _state(7, n) for n in (1, 2, 3)}
+    dcp.save(states[1], storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(states[2], storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
+    dcp.save(states[3], storage_writer=S3Writer(f"{root}/step-3", base=f"{root}/step-2"))
+    return {"root": root, "states": states}
+
+
+def test_only_changed_bytes_are_uploaded(moto_server: Any, s3_bucket: str) -> None:
+    root = f"s3://{s3_bucket}/run"
+    first, second = _state(1, 1), _state(1, 2)
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", endpoint_url=proxy.url, hashes=True))
+        full = proxy.snapshot().request_bytes
+        proxy.reset_counters()
+        dcp.save(second, storage_writer=S3Writer(f"{root}/step-2", endpoint_url=proxy.url, base=f"{root}/step-1"))
+        incremental = proxy.snapshot().request_bytes
+    changed = sum(second[k].nbytes for k in ("lora.A", "lora.B", "optim.exp_avg"))
+    print(f"full save {full} B, incremental {incremental} B, changed tensors {changed} B")
+    assert changed <= incremental < 0.15 * full
+    _assert_same(_load(f"{root}/step-2", second), second)
+
+
+def test_hashes_decide_not_names(s3_bucket: str) -> None:
+    """An item whose bytes changed is uploaded even though its fqn, shape and dtype match the base's."""
+    root = f"s3://{s3_bucket}/run"
+    first = _state(2, 1)
+    dcp.save(first, storage_writer=S3Writer(f"{root}/a", hashes=True))
+    second = dict(first, **{"base.weight": first["base.weight"].clone()})
+    second["base.weight"][512, 3] += 1.0  # one element
+    dcp.save(second, storage_writer=S3Writer(f"{root}/b", base=f"{root}/a"))
+    _assert_same(_load(f"{root}/b", second), second)
+
+
+def test_chain_of_three_points_at_the_first_and_loads_bitwise(
+    chain: dict[str, Any], s3_bucket: str, moto_s3_client: Any
+) -> None:
+    root, states = chain["root"], chain["states"]
+    records = _records(moto_s3_client, s3_bucket, "run/step-3")
+    assert records["base.weight"].startswith("../step-1/__0_"), records  # not ../step-2: no chains at load time
+    assert records["base.bias"].startswith("../step-1/__0_"), records
+    assert not records["lora.A"].startswith("../"), records
+    for n, state in states.items():
+        _assert_same(_load(f"{root}/step-{n}", state), state)
+    report = dcp_cloud.verify(f"{root}/step-3")  # follows the references and checks their CRC32C
+    assert report.items_checked == len(states[3]) and report.items_unverified == 0
+    listed = {Path(c.prefix).name: c.depends_on for c in dcp_cloud.list_checkpoints(root, dependencies=True)}
+    assert listed["step-1"] == ()
+    assert listed["step-3"] == (f"{root}/step-1",)
+
+
+def test_gc_never_deletes_what_a_committed_checkpoint_references(
+    chain: dict[str, Any], s3_bucket: str, moto_s3_client: Any
+) -> None:
+    root, states = chain["root"], chain["states"]
+    # step-1 loses its commit (an interrupted rm, a hand-deleted object): by its own prefix it looks like
+    # a dead save, but step-2 and step-3 still reference its shard.
+    moto_s3_client.delete_object(Bucket=s3_bucket, Key="run/step-1/.metadata")
+    report = dcp_cloud.gc(root, older_than=0)
+    assert report.deleted_objects == (), report.deleted_objects
+    for n in (2, 3):
+        _assert_same(_load(f"{root}/step-{n}", states[n]), states[n])
+
+
+def test_rm_refuses_a_referenced_base_naming_its_dependents(chain: dict[str, Any]) -> None:
+    root, states = chain["root"], chain["states"]
+    with pytest.raises(CheckpointInUseError) as caught:
+        dcp_cloud.remove_checkpoint(f"{root}/step-1")
+    assert set(caught.value.dependents) == {f"{root}/step-2", f"{root}/step-3"}
+    assert "step-2" in str(caught.value)
+    dcp_cloud.remove_checkpoint(f"{root}/step-2")  # nothing references step-2's own objects
+    _assert_same(_load(f"{root}/step-3", states[3]), states[3])
+
+
+def test_standalone_copy_needs_no_base(chain: dict[str, Any], s3_bucket: str, moto_s3_client: Any) -> None:
+    root, states = chain["root"], chain["states"]
+    with pytest.raises(dcp_cloud.UnsupportedCheckpointError, match="standalone"):
+        dcp_cloud.copy_checkpoint(f"{root}/step-3", f"s3://{s3_bucket}/copy/step-3")
+    dcp_cloud.copy_checkpoint(f"{root}/step-3", f"s3://{s3_bucket}/copy/step-3", standalone=True)
+    assert not any(p.startswith("../") for p in _records(moto_s3_client, s3_bucket, "copy/step-3").values())
+    for n in (3, 2, 1):
+        dcp_cloud.remove_checkpoint(f"{root}/step-{n}")
+    _assert_same(_load(f"s3://{s3_bucket}/copy/step-3", states[3]), states[3])
+    assert dcp_cloud.verify(f"s3://{s3_bucket}/copy/step-3").items_checked == len(states[3])
+
+
+def test_stock_filesystem_reader_loads_a_download(
+    chain: dict[str, Any], s3_bucket: str, moto_s3_client: Any, tmp_path: Path
+) -> None:
+    for obj in moto_s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/")["Contents"]:
+        path = tmp_path / obj["Key"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(moto_s3_client.get_object(Bucket=s3_bucket, Key=obj["Key"])["Body"].read())
+    state = chain["states"][3]
+    _assert_same(_load("", state, dcp.FileSystemReader(str(tmp_path / "run" / "step-3"))), state)
+
+
+def test_local_writer_chain_loads_with_stock_reader(tmp_path: Path) -> None:
+    states = {n: _state(3, n) for n in (1, 2)}
+    dcp.save(states[1], storage_writer=LocalWriter(tmp_path / "step-1", hashes=True))
+    dcp.save(states[2], storage_writer=LocalWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
+    own = sum(f.stat().st_size for f in (tmp_path / "step-2").iterdir())
+    assert own < 0.15 * sum(f.stat().st_size for f in (tmp_path / "step-1").iterdir())
+    for reader in (LocalReader(tmp_path / "step-2"), dcp.FileSystemReader(str(tmp_path / "step-2"))):
+        _assert_same(_load("", states[2], reader), states[2])
+
+
+def test_missing_or_uncommitted_base_is_refused_before_saving(s3_bucket: str, moto_s3_client: Any) -> None:
+    root = f"s3://{s3_bucket}/run"
+    moto_s3_client.put_object(Bucket=s3_bucket, Key="run/dead/__0_abc.distcp", Body=b"x" * 10)
+    for base in ("dead", "never"):
+        with pytest.raises(CheckpointNotFoundError, match="base="):
+            S3Writer(f"{root}/step-2", base=f"{root}/{base}")
+    assert "Contents" not in moto_s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/step-2/")
+
+
+def test_base_in_another_bucket_or_store_is_a_config_error(s3_bucket: str, moto_s3_client: Any) -> None:
+    other = s3_bucket[:-2] + "zz"
+    moto_s3_client.create_bucket(Bucket=other)
+    dcp.save(_state(1, 1), storage_writer=S3Writer(f"s3://{other}/run/step-1", hashes=True))
+    for base in (f"s3://{other}/run/step-1", "gs://bucket/run/step-1", f"s3://{s3_bucket}/run/step-2"):
+        with pytest.raises(ConfigError):
+            S3Writer(f"s3://{s3_bucket}/run/step-2", base=base)
+
+
+def test_failed_incremental_save_leaves_the_base_and_commits_nothing(
+    s3_bucket: str, moto_s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_cloud.dcp import writer as writer_module
+
+    root = f"s3://{s3_bucket}/run"
+    first = _state(4, 1)
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    before = {o["Key"]: o["ETag"] for o in moto_s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    real = writer_module.CloudWriter._write_item
+    calls = []
+
+    def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed mid-write")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module.CloudWriter, "_write_item", dying)
+    with pytest.raises(BaseException, match="killed mid-write"):
+        dcp.save(_state(4, 2), storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
+    assert len(calls) == 2  # it died after writing a changed item
+    after = {o["Key"]: o["ETag"] for o in moto_s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    assert after == before  # nothing committed (no .metadata, no shard), the base untouched
+    with pytest.raises(CheckpointNotFoundError):
+        S3Reader(f"{root}/step-2")
+    _assert_same(_load(f"{root}/step-1", first), first)
+
+
+def _two_rank_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "frozen": distribute_tensor(torch.arange(256 * 512).reshape(256, 512).float(), mesh, [Shard(0)]),
+            "adapter": distribute_tensor(torch.full((64, 32), float(step)), mesh, [Shard(0)]),
+            "step": step,
+        }
+
+    dcp.save(state(1), storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    writer = S3Writer(f"{root}/step-2", base=f"{root}/step-1")
+    dcp.save(state(2), storage_writer=writer)
+    target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}
+    dcp.load(target, storage_reader=S3Reader(f"{root}/step-2"))
+    want = state(2)
+    ok = all(torch.equal(target[k].to_local(), want[k].to_local()) for k in ("frozen", "adapter"))
+    return {"ok": ok and target["step"] == 2, "uploaded": writer.stats.bytes_written}
+
+
+@pytest.mark.multirank
+def test_two_rank_incremental_save(s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any) -> None:
+    out = run_ranks(2, _two_rank_save, f"s3://{s3_bucket}/run", env=s3_env, timeout=120.0)
+    assert all(r["ok"] for r in out), out
+    records = _records(moto_s3_client, s3_bucket, "run/step-2")
+    assert records["frozen"].startswith("../step-1/"), records
+    shards = [
+        (o["Key"].split("/")[1], o["Size"])
+        for o in moto_s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/")["Contents"]
+        if o["Key"].endswith(".distcp")
+    ]
+    step2 = sum(size for step, size in shards if step == "step-2")
+    assert 0 < step2 < 4 * 64 * 32 * 4, shards  # the adapter and the step, not the 512 KiB frozen tensor
+    assert sum(r["uploaded"] for r in out) < 4 * 64 * 32 * 4 + 8192, out
