@@ -107,8 +107,8 @@ def _save_and_die(rank: int, world_size: int, uri: str) -> None:
     """Rank 1 SIGKILLs itself after its first item went out as multipart parts."""
 
     class DyingWriter(S3Writer):
-        def _write_item(self, stream: Any, name: str, item: Any, planner: Any) -> Any:
-            result = super()._write_item(stream, name, item, planner)
+        def _write_item(self, stream: Any, name: str, item: Any, planner: Any, *rest: Any) -> Any:
+            result = super()._write_item(stream, name, item, planner, *rest)
             if self.rank == 1:
                 time.sleep(1.0)  # let uploaded parts land
                 os.kill(os.getpid(), signal.SIGKILL)
