@@ -51,6 +51,7 @@ from .maintenance import (
 )
 from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
+from .store.clients import close_clients
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
@@ -96,6 +97,7 @@ __all__ = [
     "TransientStoreError",
     "UnsupportedCheckpointError",
     "VerifyReport",
+    "close_clients",
     "copy_checkpoint",
     "free_staging_pool",
     "gc",

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dcp_cloud import GCSReader, GCSWriter, S3Reader, S3Writer
+from dcp_cloud import GCSReader, GCSWriter, S3Reader, S3Writer, close_clients
 
 HAVE_GCS = importlib.util.find_spec("dcp_cloud.testing.gcs_fixtures") is not None
 BACKENDS = ["s3", "gcs"] if HAVE_GCS else ["s3"]
@@ -131,6 +131,13 @@ class _GCSClient:
 
     def delete(self, bucket: str, key: str) -> None:
         self.client.bucket(bucket).blob(key).delete()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_clients() -> Any:
+    """SDK clients are shared per process; a test that hooks into one must not reach the next test."""
+    yield
+    close_clients()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -21,6 +21,7 @@ from ...errors import (
     StoreError,
     TransientStoreError,
 )
+from ..clients import shared_client
 from ..payload import Buffer, Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
 from ..protocol import ObjectInfo, PartLimits
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
@@ -215,7 +216,10 @@ class GCSStore(_CompositeUploads):
             self._lock_pid = pid
         with self._lock:
             if self._client is None or self._client_pid != pid:
-                self._client = self._make_client()
+                # One client per configuration and process (an explicit credentials object is part of the
+                # key by identity: the cached client holds it, so its id is not reused while cached).
+                key = ("gcs", self.config, self.request_timeout, self.max_connections, id(self._credentials))
+                self._client = shared_client(key, self._make_client)
                 self._client_pid = pid
             return self._client
 
@@ -460,11 +464,7 @@ class GCSStore(_CompositeUploads):
         self._parallel(self._delete_one, list(dict.fromkeys(keys)))
 
     def close(self) -> None:
+        """Let go of the client; it is shared with the process's other stores (``dcp_cloud.close_clients()``
+        closes them)."""
         with self._lock:
-            client, pid = self._client, self._client_pid
             self._client, self._client_pid = None, None
-        if client is not None and pid == os.getpid():  # a parent's client is only dropped
-            try:
-                client.close()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, TransientStoreError
+from ..clients import shared_client
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
 from ..payload import out_view as _out_view
 from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
@@ -191,6 +192,9 @@ class S3Store:
         _unsigned_payload_over_tls(client, self.config.transport_checksums)
         return client
 
+    def _client_key(self) -> tuple[Any, ...]:
+        return ("s3", self.config, self.request_timeout, self.max_connections)
+
     def _client(self) -> Any:
         pid = os.getpid()
         client = self._client_obj
@@ -199,9 +203,9 @@ class S3Store:
         with self._process_lock():
             if self._client_obj is None or self._client_pid != pid:
                 try:
-                    # The parent's client (if forked) is dropped, not closed:
-                    # its sockets belong to the parent.
-                    self._client_obj = self._make_client()
+                    # The parent's client (if forked) is dropped, not closed: its sockets
+                    # belong to the parent. One client per configuration and process.
+                    self._client_obj = shared_client(self._client_key(), self._make_client)
                 except Exception as exc:
                     raise _translate(exc, self.bucket, None, "connect to") from exc
                 self._client_pid = pid
@@ -215,12 +219,10 @@ class S3Store:
         return self._lock
 
     def close(self) -> None:
+        """Let go of the client; it is shared with the process's other stores (``dcp_cloud.close_clients()``
+        closes them)."""
         with self._process_lock():
-            client, self._client_obj = self._client_obj, None
-            same_process = self._client_pid == os.getpid()
-            self._client_pid = None
-        if client is not None and same_process:
-            client.close()
+            self._client_obj, self._client_pid = None, None
 
     # -- helpers -------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""SDK clients are shared per process and configuration: later checkpoints reuse warm connections."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_cloud import S3Reader, S3Writer, close_clients
+from dcp_cloud.store.clients import shared_client
+from dcp_cloud.store.s3 import S3Config, S3Store
+from dcp_cloud.testing.proxy import FaultProxy
+
+
+def test_stores_of_one_configuration_share_a_client(s3_env: dict[str, str]) -> None:
+    a, b = S3Store("bucket-a"), S3Store("bucket-b")
+    assert a._client() is b._client()  # the bucket is a per-request argument
+    assert S3Store("bucket-a", request_timeout=5.0)._client() is not a._client()
+    assert S3Store("bucket-a", S3Config(region="eu-west-1"))._client() is not a._client()
+
+
+def test_a_changed_environment_builds_a_new_client(s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    first = S3Store("bucket")._client()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    second = S3Store("bucket")._client()
+    assert second is not first
+    assert second.meta.endpoint_url == "http://127.0.0.1:9"
+
+
+def test_close_clients_closes_and_the_next_use_rebuilds(s3_env: dict[str, str]) -> None:
+    closed: list[str] = []
+
+    class Client:
+        def close(self) -> None:
+            closed.append("x")
+
+    made = shared_client(("test", 1), Client)
+    assert shared_client(("test", 1), Client) is made
+    assert close_clients() >= 1 and closed == ["x"]
+    assert shared_client(("test", 1), Client) is not made
+
+
+def test_an_unpickled_store_uses_the_process_client(s3_env: dict[str, str]) -> None:
+    store = S3Store("bucket")
+    again = pickle.loads(pickle.dumps(store))
+    assert again._client() is store._client()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_builds_its_own_client(s3_env: dict[str, str]) -> None:
+    parent = S3Store("bucket")._client()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report whether it got the parent's client object
+        try:
+            os.write(write, b"same" if S3Store("bucket")._client() is parent else b"new")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 16)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert answer == b"new"
+
+
+def test_the_second_checkpoint_of_a_process_opens_no_connection(moto_server: Any, s3_bucket: str) -> None:
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}  # below the multipart threshold
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        dcp.save(state, storage_writer=S3Writer(f"s3://{s3_bucket}/step-1", endpoint_url=proxy.url))
+        first = proxy.snapshot().connections
+        proxy.reset_counters()
+        dcp.save(state, storage_writer=S3Writer(f"s3://{s3_bucket}/step-2", endpoint_url=proxy.url))
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=S3Reader(f"s3://{s3_bucket}/step-2", endpoint_url=proxy.url))
+        later = proxy.snapshot()
+    assert first >= 1
+    assert later.total_requests > 0 and later.connections == 0, later
+    assert all(torch.equal(out[k], v) for k, v in state.items())
