@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import dcp_cloud.dcp.base
 from dcp_cloud import S3Reader, S3Writer, close_clients
 from dcp_cloud.store.clients import shared_client
 from dcp_cloud.store.s3 import S3Config, S3Store
@@ -67,8 +68,9 @@ def test_a_forked_child_builds_its_own_client(s3_env: dict[str, str]) -> None:
     assert answer == b"new"
 
 
-def test_the_second_checkpoint_of_a_process_opens_no_connection(moto_server: Any, s3_bucket: str) -> None:
+def test_a_later_checkpoint_opens_no_connection_and_skips_the_bucket_check(moto_server: Any, s3_bucket: str) -> None:
     state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}  # below the multipart threshold
+    dcp_cloud.dcp.base._seen_buckets.clear()
     with FaultProxy(moto_server.endpoint_url) as proxy:
         dcp.save(state, storage_writer=S3Writer(f"s3://{s3_bucket}/step-1", endpoint_url=proxy.url))
         first = proxy.snapshot().connections
@@ -79,4 +81,6 @@ def test_the_second_checkpoint_of_a_process_opens_no_connection(moto_server: Any
         later = proxy.snapshot()
     assert first >= 1
     assert later.total_requests > 0 and later.connections == 0, later
+    # The bucket was seen to exist by the first checkpoint: later ones skip that round trip.
+    assert ("HEAD", f"/{s3_bucket}") not in later.by_path, later.by_path
     assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import ObjectNotFoundError
+from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
 from ..transfer.engine import TransferEngine
@@ -17,6 +18,11 @@ from .backend import Backend
 from .layout import METADATA_NAME
 
 log = logging.getLogger("dcp_cloud")
+
+#: Buckets this process has seen exist, by (backend, bucket, SDK environment): a job's later checkpoints
+#: skip the bucket check (one round trip each). A bucket deleted later still fails the first request that
+#: needs it, with the same typed BucketNotFoundError.
+_seen_buckets: set[tuple[Any, str, str]] = set()
 
 
 class CloudBase:
@@ -94,4 +100,13 @@ class CloudBase:
             return False
 
     def _check_bucket(self) -> None:
+        try:
+            key = (self.backend, self.uri.bucket, environment_digest())
+            hash(key)
+        except TypeError:  # a backend configured with something unhashable: check every time
+            key = None
+        if key is not None and key in _seen_buckets:
+            return
         self._retrying().check_bucket()
+        if key is not None:
+            _seen_buckets.add(key)
