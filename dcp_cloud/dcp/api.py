@@ -86,6 +86,11 @@ class S3Reader(CloudReader):
     ``process_group=`` when ``dcp.load`` runs in a group other than the
     default one, and ``share_metadata=False`` when only some ranks of the
     group load (``dcp.load(..., no_dist=True)`` on a subset).
+
+    Stored items that several ranks want (DDP replicas, HSDP replica
+    groups) are fetched once per load job, by one of those ranks, and sent
+    to the others over the process group (``share_reads=False``: every rank
+    reads everything it wants itself, as stock readers do).
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class S3Reader(CloudReader):
         retry: RetryConfig | None = None,
         process_group: Any = None,
         share_metadata: bool = True,
+        share_reads: bool = True,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -107,6 +113,7 @@ class S3Reader(CloudReader):
             retry=retry,
             process_group=process_group,
             share_metadata=share_metadata,
+            share_reads=share_reads,
         )
 
     @classmethod
@@ -172,6 +179,7 @@ class GCSReader(CloudReader):
         retry: RetryConfig | None = None,
         process_group: Any = None,
         share_metadata: bool = True,
+        share_reads: bool = True,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -180,6 +188,7 @@ class GCSReader(CloudReader):
             retry=retry,
             process_group=process_group,
             share_metadata=share_metadata,
+            share_reads=share_reads,
         )
 
     @classmethod
@@ -226,6 +235,7 @@ class LocalReader(CloudReader):
         retry: RetryConfig | None = None,
         process_group: Any = None,
         share_metadata: bool = True,
+        share_reads: bool = True,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -234,4 +244,5 @@ class LocalReader(CloudReader):
             retry=retry,
             process_group=process_group,
             share_metadata=share_metadata,
+            share_reads=share_reads,
         )
