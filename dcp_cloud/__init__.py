@@ -31,6 +31,7 @@ from .errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
     UnsupportedCheckpointError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "StoreError",
     "TransferConfig",
     "TransferStats",
+    "ThrottledError",
     "TransientStoreError",
     "UnsupportedCheckpointError",
     "VerifyReport",
