@@ -44,9 +44,9 @@ from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
 from .layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
-    SHARD_SUFFIX,
     ItemExtras,
     dump_metadata,
+    is_shard_path,
     load_metadata,
     set_footer_table,
     shard_name,
@@ -123,6 +123,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         staging: StagingConfig | None = None,
         compression: str | None = None,
         compression_level: int = 3,
+        spread_prefixes: bool = False,
     ) -> None:
         _compression.validate(compression, compression_level)
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
@@ -132,6 +133,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self.compression = compression
         self.compression_level = compression_level
         self.staging = staging or StagingConfig()
+        #: Put each rank's object under a short hashed sub-prefix (``7f/__3_<token>.distcp``; see layout.spread_dir).
+        self.spread_prefixes = spread_prefixes
         #: Leases of staged states whose data this writer has not written yet, oldest first.
         self._leases: list[Lease] = []
         self.rank = 0
@@ -229,7 +232,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)
         return [
-            dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token))) for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=_ShardPlan(shard_name(i, token, self.spread_prefixes)))
+            for i, plan in enumerate(plans)
         ]
 
     # -- data -------------------------------------------------------------
@@ -401,7 +405,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         stale = [
             o.key
             for o in store.list(self.uri.prefix + "/")
-            if o.key.endswith(SHARD_SUFFIX) and o.key not in keep and "/" not in o.key[len(self.uri.prefix) + 1 :]
+            if o.key not in keep and is_shard_path(o.key[len(self.uri.prefix) + 1 :])
         ]
         if stale:
             store.delete(stale)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.layout import is_shard_path
 from ..errors import (
     CheckpointExistsError,
     ConfigError,
@@ -39,7 +40,7 @@ from ..errors import (
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
-from .common import _METADATA, _is_shard, _open, _read_committed, _Root, log
+from .common import _METADATA, _open, _read_committed, _Root, log
 from .progress import Progress, or_silent
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
 
@@ -297,7 +298,7 @@ def _delete_unreferenced(dst: _Root, keep: set[str]) -> None:
     stale = [
         o.key
         for o in dst.store.list(prefix)
-        if "/" not in o.key[len(prefix) :] and _is_shard(o.key) and o.key[len(prefix) :] not in keep
+        if is_shard_path(o.key[len(prefix) :]) and o.key[len(prefix) :] not in keep
     ]
     if stale:
         dst.store.delete(stale)
