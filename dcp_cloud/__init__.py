@@ -31,6 +31,7 @@ from .errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
     UnsupportedCheckpointError,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "StoreError",
     "TransferConfig",
     "TransferStats",
+    "ThrottledError",
     "TransientStoreError",
     "UnsupportedCheckpointError",
     "VerifyReport",

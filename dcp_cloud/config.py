@@ -117,6 +117,15 @@ class RetryConfig:
     #: Per-request socket connect/read timeout (seconds); a stalled response
     #: becomes a retryable timeout after this long.
     request_timeout: float = 60.0
+    #: One adaptive request rate per process, shared by every store (see
+    #: :mod:`dcp_cloud.store.ratelimit`): nothing is limited until the store
+    #: throttles (S3 ``SlowDown``/503, HTTP 429); each throttle halves the
+    #: rate, each success adds to it. ``False``: backoff per request only.
+    rate_limit: bool = True
+    #: The lowest rate the limit falls to (requests per second, per process).
+    rate_limit_floor: float = 1.0
+    #: How fast the rate grows back: about this many requests per second, each second.
+    rate_limit_recovery: float = 50.0
 
     def __post_init__(self) -> None:
         _require(self.max_attempts >= 1, f"max_attempts must be >= 1, got {self.max_attempts}")
@@ -125,3 +134,5 @@ class RetryConfig:
         _require(self.multiplier >= 1.0, f"multiplier must be >= 1, got {self.multiplier}")
         _require(self.deadline > 0, f"deadline must be positive, got {self.deadline}")
         _require(self.request_timeout > 0, f"request_timeout must be positive, got {self.request_timeout}")
+        _require(self.rate_limit_floor > 0, f"rate_limit_floor must be positive, got {self.rate_limit_floor}")
+        _require(self.rate_limit_recovery > 0, f"rate_limit_recovery must be positive, got {self.rate_limit_recovery}")

@@ -81,6 +81,10 @@ class TransientStoreError(DcpCloudError, OSError):
     """A retryable fault (throttling, 5xx, reset, timeout) that outlived the retry budget."""
 
 
+class ThrottledError(TransientStoreError):
+    """The store asked us to slow down (S3 ``SlowDown``/503, HTTP 429); the process-wide rate limit backs off."""
+
+
 class StoreError(DcpCloudError, OSError):
     """Any other failure reported by the object store."""
 
@@ -100,6 +104,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "StoreError",
+    "ThrottledError",
     "TransientStoreError",
     "UnsupportedCheckpointError",
 ]

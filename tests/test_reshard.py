@@ -123,7 +123,11 @@ def _load_and_measure(
     if with_step:
         target["step"] = torch.tensor(0, dtype=torch.int64)
     exact = {} if verify else {"coalesce_gap": 0}
-    reader = dcp_cloud.S3Reader(uri, transfer=dcp_cloud.TransferConfig(verify_checksums=verify, **exact))
+    # share_reads=False: each rank's own reads are measured (the replicated "step" item would otherwise be
+    # fetched by one rank and sent to the others; tests/test_shared_reads.py counts that per load job)
+    reader = dcp_cloud.S3Reader(
+        uri, transfer=dcp_cloud.TransferConfig(verify_checksums=verify, **exact), share_reads=False
+    )
     dcp_cloud.load(target, storage_reader=reader)
     want = _dtensors(spec, mesh, zeros=False)
     bad = [k for k in spec if not _bitwise_equal(target[k].to_local(), want[k].to_local())]

@@ -246,18 +246,7 @@ class LoadRun:
         planner = self.planner
 
         def finish() -> None:
-            data = decode(transforms, buf, what) if transforms else buf
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(data))
-                return
-            try:
-                saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except Exception as exc:  # any failure means unreadable bytes
-                raise CorruptCheckpointError(
-                    f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
-                ) from exc
-            target = planner.resolve_tensor(req).detach()
-            commit(planner, req, target, narrow_tensor_by_index(saved, req.storage_offsets, req.lengths), what)
+            commit_whole(planner, req, info, buf, transforms, what)
 
         self.pending.append(_Pending(futures, finish, lease, what))
 
@@ -482,3 +471,22 @@ def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: tor
             )
         target.copy_(value)
     planner.commit_tensor(req, target)
+
+
+def commit_whole(
+    planner: LoadPlanner, req: ReadItem, info: Any, buf: bytearray, transforms: Sequence[str] | None, what: str
+) -> None:
+    """Hand a whole stored item (``buf``, as stored) to the planner: bytes items as they are, tensors
+    unpickled and narrowed to the requested region."""
+    data = decode(transforms, buf, what) if transforms else buf
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(data))
+        return
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # any failure means unreadable bytes
+        raise CorruptCheckpointError(
+            f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
+        ) from exc
+    target = planner.resolve_tensor(req).detach()
+    commit(planner, req, target, narrow_tensor_by_index(saved, req.storage_offsets, req.lengths), what)

@@ -29,8 +29,10 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, NoReturn
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -38,6 +40,7 @@ from torch.futures import Future as TorchFuture
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
+from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
 from .backend import Backend
 from .base import CloudBase, log
 from .compression import check_descriptors
@@ -45,6 +48,7 @@ from .footer import fetch_all
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import ChunkIndex, LoadRun
 from .metashare import broadcast_bytes, sharing_group
+from .sharedreads import run_exchange
 
 
 class CloudReader(CloudBase, StorageReader):
@@ -59,12 +63,15 @@ class CloudReader(CloudBase, StorageReader):
         retry: RetryConfig | None = None,
         process_group: Any = None,
         share_metadata: bool = True,
+        share_reads: bool = True,
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         #: The group ``dcp.load`` runs in (None: the default group); its rank 0 fetches the metadata.
         self.process_group = process_group
         #: Fetch ``.metadata`` once per group and broadcast it (when a process group is up).
         self.share_metadata = share_metadata
+        #: Fetch each stored item that several ranks want once, and send it to the others over the group.
+        self.share_reads = share_reads
         self.load_id = str(uuid.uuid4())
         self._loaded = False
         self.storage_data: dict[Any, Any] = {}
@@ -154,7 +161,31 @@ class CloudReader(CloudBase, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Give each stored item that several ranks want one owner (see :mod:`dcp_cloud.planner.readshare`);
+        every rank gets the schedule in its plan's ``storage_data`` (None: nothing shared, no exchange)."""
+        if not self.share_reads or len(plans) < 2 or sharing_group(self.process_group, True) is None:
+            return plans
+        wants = record_wants(plans, self._info, self._wanted_bytes)
+        schedule = plan_sharing(wants, round_bytes=max(1, self.transfer.memory_budget // 2))
+        if schedule is None:
+            return plans
+        return [replace(plan, storage_data=schedule) for plan in plans]
+
+    def _wanted_bytes(self, req: ReadItem, info: Any) -> int:
+        """Bytes of the stored item ``info`` that ``req`` needs fetched (all of it when it is read whole)."""
+        if req.type == LoadItemType.BYTE_IO or transform_descriptors(info):
+            return int(info.length)
+        if self._footers is None and getattr(extras_of(info), "raw_offset", None) is None:
+            return int(info.length)
+        found = self._chunks.lookup(req.storage_index)
+        if found is None:
+            return int(info.length)
+        total = part = 1
+        for n in found[0]:
+            total *= n
+        for n in req.lengths:
+            part *= n
+        return int(info.length) * part // max(total, 1)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -167,14 +198,13 @@ class CloudReader(CloudBase, StorageReader):
         self._recorder.restart_clock()
         records = [(self._info(req), req) for req in plan.items]
         records.sort(key=lambda r: (r[0].relative_path, r[0].offset))
+        schedule = plan.storage_data if isinstance(plan.storage_data, ShareSchedule) else None
         with self._engine() as engine:
             run = LoadRun(engine, planner, self.transfer, self._chunks, self._recorder, self.checkpoint_id)
-            try:
-                self._start(run, records)
-                run.drain()
-                run.close()
-            finally:
-                run.abandon()
+            if schedule is None:
+                self._read_own(run, records)
+            else:
+                self._read_shared(run, records, schedule)
             peak = engine.budget.peak
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
@@ -195,6 +225,49 @@ class CloudReader(CloudBase, StorageReader):
         fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)
         return fut
+
+    def _read_own(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
+        try:
+            self._start(run, records)
+            run.drain()
+            run.close()
+        finally:
+            run.abandon()
+
+    def _read_shared(self, run: LoadRun, records: list[tuple[Any, ReadItem]], schedule: ShareSchedule) -> None:
+        """Read what only this rank wants, then take part in the exchanges of the shared items (every rank
+        follows the same schedule; a failure here is carried to every rank there)."""
+        shared = schedule.keys()
+        own: list[tuple[Any, ReadItem]] = []
+        mine: dict[Any, list[tuple[Any, ReadItem, str]]] = {}
+        for info, req in records:
+            rec = (info.relative_path, int(info.offset), int(info.length))
+            if rec in shared:
+                what = f"{req.storage_index.fqn!r} from {self.store.url(self.uri.key(info.relative_path))}"
+                mine.setdefault(rec, []).append((info, req, what))
+            else:
+                own.append((info, req))
+        error: BaseException | None = None
+        try:
+            self._read_own(run, own)
+        except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange
+            error = exc
+        group = sharing_group(self.process_group, True)
+        footers: dict[str, dict[int, ItemExtras]] = {}
+        if error is None:  # the footers of the objects this rank fetches shared items from
+            me = dist.get_rank(group)
+            owned = [mine[rec.key][0][:2] for rnd in schedule.rounds for rec in rnd if rec.owner == me]
+            keys = {self.uri.key(info.relative_path) for info, _ in owned}
+            by_key: dict[str, tuple[str, list[Any]]] = {key: (self.store.url(key), []) for key in keys}
+            try:
+                footers = self._fetch_footers(run, owned, by_key)
+            except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange
+                error = exc
+
+        def extras(key: str, info: Any, what: str) -> ItemExtras | None:
+            return self._extras(footers, key, info, what)
+
+        run_exchange(group, schedule, run, mine, extras, self.uri.key, error)
 
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
         """Start whole-item reads, then the coalesced reads of every object."""

@@ -45,9 +45,9 @@ from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
 from .layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
-    SHARD_SUFFIX,
     ItemExtras,
     dump_metadata,
+    is_shard_path,
     load_metadata,
     set_footer_table,
     shard_name,
@@ -128,6 +128,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         compression_level: int = 3,
         base: str | os.PathLike[str] | None = None,
         hashes: bool | None = None,
+        spread_prefixes: bool = False,
     ) -> None:
         _compression.validate(compression, compression_level)
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
@@ -142,6 +143,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self.compression = compression
         self.compression_level = compression_level
         self.staging = staging or StagingConfig()
+        #: Put each rank's object under a short hashed sub-prefix (``7f/__3_<token>.distcp``; see layout.spread_dir).
+        self.spread_prefixes = spread_prefixes
         #: Leases of staged states whose data this writer has not written yet, oldest first.
         self._leases: list[Lease] = []
         self.rank = 0
@@ -250,7 +253,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             dataclasses.replace(
                 plan,
                 storage_data=_ShardPlan(
-                    shard_name(i, token), incremental.refs_for(plan, index) if index is not None else None
+                    shard_name(i, token, self.spread_prefixes),
+                    incremental.refs_for(plan, index) if index is not None else None,
                 ),
             )
             for i, plan in enumerate(plans)
@@ -444,7 +448,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         stale = [
             o.key
             for o in store.list(self.uri.prefix + "/")
-            if o.key.endswith(SHARD_SUFFIX) and o.key not in keep and "/" not in o.key[len(self.uri.prefix) + 1 :]
+            if o.key not in keep and is_shard_path(o.key[len(self.uri.prefix) + 1 :])
         ]
         if stale:
             store.delete(stale)

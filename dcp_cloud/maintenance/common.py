@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.layout import is_shard_path
 from ..errors import ConfigError
 from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
@@ -234,11 +235,21 @@ def _is_shard(key: str) -> bool:
     return bool(_SHARD_RE.match(_basename(key)))
 
 
+def _checkpoint_dir(key: str) -> str:
+    """The checkpoint prefix an object belongs to: its directory, or its directory's parent for a shard
+    under the hashed sub-prefix of prefix spreading (``step-100/7f/__3_<token>.distcp``)."""
+    head = _dirname(key)
+    parent, _, sub = head.rpartition("/")
+    if parent and is_shard_path(f"{sub}/{_basename(key)}") and _is_shard(key):
+        return parent
+    return head
+
+
 def _group(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
     """Objects of every checkpoint prefix (a directory holding ``.metadata`` or a shard), by prefix."""
     by_dir: dict[str, list[ObjectInfo]] = defaultdict(list)
     for obj in objects:
-        by_dir[_dirname(obj.key)].append(obj)
+        by_dir[_checkpoint_dir(obj.key)].append(obj)
     return {
         prefix: objs
         for prefix, objs in sorted(by_dir.items())

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.layout import is_shard_path
 from ..errors import (
     CheckpointExistsError,
     ConfigError,
@@ -47,7 +48,7 @@ from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
-from .common import _METADATA, _is_shard, _open, _read_committed, _Root, log
+from .common import _METADATA, _open, _read_committed, _Root, log
 from .progress import Progress, or_silent
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
 
@@ -340,7 +341,7 @@ def _delete_unreferenced(dst: _Root, keep: set[str]) -> None:
     stale = [
         o.key
         for o in dst.store.list(prefix)
-        if "/" not in o.key[len(prefix) :] and _is_shard(o.key) and o.key[len(prefix) :] not in keep
+        if is_shard_path(o.key[len(prefix) :]) and o.key[len(prefix) :] not in keep
     ]
     if stale:
         dst.store.delete(stale)

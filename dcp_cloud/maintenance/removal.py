@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.layout import is_shard_path
 from ..errors import CheckpointInUseError, CheckpointNotFoundError, NotACheckpointError
 from ..store.protocol import ObjectInfo, ObjectStore
-from .common import _METADATA, _basename, _dirname, _is_shard, _open, _Root, log
+from .common import _METADATA, _dirname, _is_shard, _open, _Root, log
 from .dependents import committed_under, dependents_of
 from .progress import Progress, or_silent
 
@@ -50,6 +51,11 @@ class RemoveReport:
 
 def _is_checkpoint_object(name: str) -> bool:
     return name == _METADATA or _is_shard(name) or bool(_OTHER_CHECKPOINT_NAMES.match(name))
+
+
+def _belongs(relative: str) -> bool:
+    """A checkpoint object directly under the prefix, or a shard under its hashed sub-prefix."""
+    return is_shard_path(relative) or ("/" not in relative and _is_checkpoint_object(relative))
 
 
 def _scan_prefix(root: _Root, scan_root: str | None) -> str:
@@ -153,7 +159,7 @@ def _listing(root: _Root) -> list[ObjectInfo]:
     """Every object under the checkpoint's prefix; NotACheckpointError if any is not a checkpoint object."""
     prefix = root.list_prefix()
     objs = list(root.store.list(prefix))
-    foreign = [o for o in objs if "/" in o.key[len(prefix) :] or not _is_checkpoint_object(_basename(o.key))]
+    foreign = [o for o in objs if not _belongs(o.key[len(prefix) :])]
     if foreign:
         urls = tuple(root.url(o.key) for o in foreign[:10])
         raise NotACheckpointError(

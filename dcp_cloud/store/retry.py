@@ -4,7 +4,10 @@ Stores make one attempt per call and raise typed errors; only
 :class:`~dcp_cloud.errors.TransientStoreError` (throttling, 5xx, resets,
 timeouts, short bodies) is retried, with full-jitter exponential backoff,
 bounded by ``RetryConfig.max_attempts`` and ``RetryConfig.deadline``.
-Clock, sleep and random source are injectable for tests.
+Clock, sleep and random source are injectable for tests. Every attempt
+first draws from the process's adaptive request rate
+(:mod:`~dcp_cloud.store.ratelimit`), which throttling answers cut and
+successes restore, so a fleet of throttled ranks slows down together.
 
 Every call the wrapper makes is idempotent or made safe by its caller:
 ``put``/``put_part`` rewrite the same bytes; a create-only ``put`` or
@@ -22,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..config import RetryConfig
-from ..errors import DcpCloudError, TransientStoreError
+from ..errors import DcpCloudError, ThrottledError, TransientStoreError
 from .protocol import ObjectStore
+from .ratelimit import AdaptiveRateLimit, process_limit
 from .wrapper import StoreWrapper
 
 T = TypeVar("T")
@@ -40,6 +44,8 @@ class RetryHooks:
     on_attempt: Callable[[str], None] = field(default=lambda op: None)
     #: Called before each retry with the error that caused it.
     on_retry: Callable[[str, BaseException], None] = field(default=lambda op, exc: None)
+    #: The adaptive rate every attempt draws from; None: the process's (:func:`process_limit`, per config).
+    limit: AdaptiveRateLimit | None = None
 
 
 def backoff_delay(config: RetryConfig, retry_number: int, rand: Callable[[], float]) -> float:
@@ -51,14 +57,19 @@ def backoff_delay(config: RetryConfig, retry_number: int, rand: Callable[[], flo
 def call_with_retry(op: str, fn: Callable[[], T], config: RetryConfig, hooks: RetryHooks | None = None) -> T:
     """Run ``fn`` until it succeeds, a non-transient error occurs, or the budget runs out."""
     hooks = hooks or RetryHooks()
+    limit = hooks.limit if hooks.limit is not None else process_limit(config)
     start = hooks.clock()
     attempt = 0
     while True:
         attempt += 1
+        if limit is not None:
+            limit.acquire()
         hooks.on_attempt(op)
         try:
-            return fn()
+            result = fn()
         except TransientStoreError as exc:
+            if limit is not None and isinstance(exc, ThrottledError):
+                limit.on_throttle()
             elapsed = hooks.clock() - start
             delay = backoff_delay(config, attempt, hooks.rand)
             if attempt >= config.max_attempts or elapsed + delay > config.deadline:
@@ -72,6 +83,10 @@ def call_with_retry(op: str, fn: Callable[[], T], config: RetryConfig, hooks: Re
             if attempt > 1:
                 exc.after_retry = True  # type: ignore[attr-defined]
             raise
+        else:
+            if limit is not None:
+                limit.on_success()
+            return result
 
 
 class RetryingStore(StoreWrapper):

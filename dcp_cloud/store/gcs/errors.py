@@ -12,6 +12,7 @@ from ...errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 
@@ -114,6 +115,10 @@ def _translate(exc: BaseException, bucket: str, key: str | None, *, missing: str
         return CorruptCheckpointError(
             f"the requested byte range lies outside {where} ({detail}): the object is truncated "
             "or does not belong to this checkpoint"
+        )
+    if status in (429, 503):
+        return ThrottledError(
+            f"GCS throttled the request for {where} ({detail}); the process-wide rate limit backs off"
         )
     if status in _TRANSIENT_STATUS:
         return TransientStoreError(f"GCS answered {detail} for {where}; the request can be retried")

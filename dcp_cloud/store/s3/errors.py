@@ -14,6 +14,7 @@ from ...errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 
@@ -52,6 +53,19 @@ _TRANSIENT_CODES = frozenset(
         "502",
         "503",
         "504",
+    }
+)
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+        "BandwidthLimitExceeded",
+        "503",
     }
 )
 _TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -134,6 +148,11 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
             return CorruptCheckpointError(
                 f"{where} is shorter than the byte range asked for ({detail}): the object is truncated "
                 "or does not belong to this checkpoint"
+            )
+        if code in _THROTTLE_CODES or status in (429, 503):
+            return ThrottledError(
+                f"S3 throttled {action} {where} ({detail}): the request rate is above what the prefix "
+                "sustains; the process-wide rate limit backs off (see RetryConfig.rate_limit)"
             )
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
             return TransientStoreError(

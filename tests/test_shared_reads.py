@@ -1,0 +1,148 @@
+"""Read once, share over the group (issue 10): replicated loads fetch each stored byte about once per job.
+
+Counted at the fault proxy (an independent byte counter between the ranks
+and moto): a DDP-style load (one process saved, 4 ranks each want
+everything) and an HSDP-style one (DTensors on a 2x2 mesh, ``[Replicate(),
+Shard(0)]``) fetch at most 1.10x the bytes stored, and every rank ends with
+the saved values bit for bit; with ``share_reads=False`` the DDP load
+fetches them once per rank, as before. A rank whose fetch fails gives every
+rank the typed error, with no hang. The schedule itself is unit-tested
+without processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_cloud.planner.readshare import plan_sharing
+from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+TIMEOUT = 180.0
+DDP = {f"layers.{i}.weight": (256, 512) for i in range(8)}  # 8 x 512 KiB fp32
+HSDP = {f"h.{i}": (512, 256) for i in range(4)}
+
+
+def _values(spec: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.arange(s[0] * s[1], dtype=torch.float32).reshape(s) * (i + 1) for i, (k, s) in enumerate(spec.items())
+    }
+
+
+def _ddp_state(zeros: bool) -> dict[str, Any]:
+    sd: dict[str, Any] = {k: torch.zeros_like(v) if zeros else v for k, v in _values(DDP).items()}
+    sd["extra"] = {"epoch": 0 if zeros else 3, "name": "" if zeros else "run-7"}
+    return sd
+
+
+def _hsdp_state(mesh: Any, zeros: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [Replicate(), Shard(0)])
+        for k, v in _values(HSDP).items()
+    }
+
+
+def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dcp_cloud
+
+    out: dict[str, Any] = {}
+    # DDP: one process saved (in the test), every rank wants everything
+    for label, share in (("ddp", True), ("ddp-off", False)):
+        target = _ddp_state(zeros=True)
+        reader = dcp_cloud.S3Reader(f"s3://{bucket}/ddp", endpoint_url=urls[label], share_reads=share)
+        dcp_cloud.load(target, storage_reader=reader)
+        want = _ddp_state(zeros=False)
+        out[f"{label}-bad"] = [k for k in DDP if not torch.equal(target[k], want[k])]
+        out[f"{label}-extra"] = target["extra"]
+        dist.barrier()
+
+    # HSDP: 2 replicas of a 2-way shard
+    mesh = init_device_mesh("cpu", (2, 2))
+    dcp_cloud.save(_hsdp_state(mesh, zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{bucket}/hsdp"))
+    target = _hsdp_state(mesh, zeros=True)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(f"s3://{bucket}/hsdp", endpoint_url=urls["hsdp"]))
+    want = _hsdp_state(mesh, zeros=False)
+    out["hsdp-bad"] = [k for k in HSDP if not torch.equal(target[k].to_local(), want[k].to_local())]
+    dist.barrier()
+
+    # one rank's fetch fails (no retries): every rank raises the typed error inside the load
+    target = _ddp_state(zeros=True)
+    reader = dcp_cloud.S3Reader(
+        f"s3://{bucket}/ddp", endpoint_url=urls["fault"], retry=dcp_cloud.RetryConfig(max_attempts=1)
+    )
+    try:
+        dcp.load(target, storage_reader=reader)
+        out["fault"] = "no error"
+    except CheckpointException as exc:
+        out["fault"] = {r: type(f[0] if isinstance(f, tuple) else f).__name__ for r, f in exc.failures.items()}
+    return out
+
+
+def _stored(client: Any, bucket: str, prefix: str) -> int:
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
+    return sum(o["Size"] for o in listing if o["Key"].endswith(".distcp"))
+
+
+def _fetched(proxy: FaultProxy, bucket: str) -> tuple[int, int]:
+    stats = proxy.snapshot()
+    rows = [c for (m, p), c in stats.by_path.items() if m == "GET" and p.endswith(".distcp")]
+    return sum(c.response_bytes for c in rows), sum(c.requests for c in rows)
+
+
+@pytest.mark.multirank
+def test_replicated_loads_fetch_each_stored_byte_once(
+    moto_server: Any, s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any
+) -> None:
+    import dcp_cloud
+
+    dcp_cloud.save(_ddp_state(zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{s3_bucket}/ddp"))
+    distcp = lambda r: r.method == "GET" and r.path.endswith(".distcp")  # noqa: E731
+    fault_plan = FaultPlan(error_500=1.0, max_faults=1, when=distcp)
+    with (
+        FaultProxy(moto_server.endpoint_url) as ddp,
+        FaultProxy(moto_server.endpoint_url) as off,
+        FaultProxy(moto_server.endpoint_url) as hsdp,
+        FaultProxy(moto_server.endpoint_url, fault_plan) as fault,
+    ):
+        urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url}
+        out = run_ranks(4, _ranks_body, s3_bucket, urls, env=s3_env, timeout=TIMEOUT)
+        stored_ddp = _stored(moto_s3_client, s3_bucket, "ddp")
+        stored_hsdp = _stored(moto_s3_client, s3_bucket, "hsdp")
+        (ddp_bytes, ddp_reqs), (off_bytes, _), (hsdp_bytes, _) = (_fetched(p, s3_bucket) for p in (ddp, off, hsdp))
+        faults = fault.snapshot().total_faults
+    print(
+        f"DDP 4 ranks: fetched/stored {ddp_bytes / stored_ddp:.3f} ({ddp_reqs} GETs); "
+        f"share_reads=False {off_bytes / stored_ddp:.3f}; HSDP 2x2 {hsdp_bytes / stored_hsdp:.3f}"
+    )
+    for rank, result in enumerate(out):
+        assert result["ddp-bad"] == [] and result["ddp-off-bad"] == [] and result["hsdp-bad"] == [], (rank, result)
+        assert result["ddp-extra"] == {"epoch": 3, "name": "run-7"}, (rank, result)
+        assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
+    assert faults == 1
+    assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)
+    assert hsdp_bytes <= 1.10 * stored_hsdp, (hsdp_bytes, stored_hsdp)
+    assert off_bytes >= 3.9 * stored_ddp, (off_bytes, stored_ddp)  # the per-rank baseline reads it 4 times
+
+
+def test_schedule_balances_owners_and_skips_disjoint_halves() -> None:
+    rec = [(("a", i * 100, 100), 100) for i in range(8)]
+    schedule = plan_sharing([rec] * 4, round_bytes=250)
+    assert schedule is not None and schedule.world == 4
+    owners = [r.owner for rnd in schedule.rounds for r in rnd]
+    assert sorted(owners) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(sum(r.nbytes for r in rnd) <= 250 for rnd in schedule.rounds)
+    assert all(r.wanters == (0, 1, 2, 3) for rnd in schedule.rounds for r in rnd)
+    # two ranks want disjoint halves of one stored chunk (resharding): nothing is shared
+    assert plan_sharing([[(("a", 0, 100), 50)], [(("a", 0, 100), 50)]], round_bytes=1000) is None
+    # one rank alone: nothing to share
+    assert plan_sharing([rec], round_bytes=1000) is None
