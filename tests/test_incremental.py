@@ -3,6 +3,7 @@ follow the references; failures leave the base alone and commit nothing."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,33 @@ def test_failed_incremental_save_leaves_the_base_and_commits_nothing(
     with pytest.raises(CheckpointNotFoundError):
         S3Reader(f"{root}/step-2")
     _assert_same(_load(f"{root}/step-1", first), first)
+
+
+def _objects(client: Any, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: (o["Size"], o["ETag"]) for o in listed}
+
+
+def test_overwriting_a_base_keeps_what_its_dependents_reference(
+    s3_bucket: str, moto_s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    first, second, replacement = _state(5, 1), _state(5, 2), _state(6, 1)  # replacement: other frozen values
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    old_shards = {k for k in _objects(moto_s3_client, s3_bucket, "run/step-1/") if k.endswith(".distcp")}
+    dcp.save(second, storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
+    assert _records(moto_s3_client, s3_bucket, "run/step-2")["base.weight"].startswith("../step-1/")
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        dcp.save(replacement, storage_writer=S3Writer(f"{root}/step-1", hashes=True, overwrite=True))
+    assert f"{root}/step-2" in caplog.text and "gc" in caplog.text, caplog.text
+    assert old_shards <= set(_objects(moto_s3_client, s3_bucket, "run/step-1/"))
+    _assert_same(_load(f"{root}/step-1", replacement), replacement)
+    _assert_same(_load(f"{root}/step-2", second), second)  # its original values, from the kept shard
+    dcp_cloud.remove_checkpoint(f"{root}/step-2")
+    report = dcp_cloud.gc(root, older_than=0)
+    assert old_shards <= set(report.deleted_objects), report
+    assert not old_shards & set(_objects(moto_s3_client, s3_bucket, "run/"))
+    _assert_same(_load(f"{root}/step-1", replacement), replacement)
 
 
 def _two_rank_save(rank: int, world: int, root: str) -> dict[str, Any]:
