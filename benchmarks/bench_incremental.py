@@ -14,7 +14,8 @@ Every save and every load runs in a fresh process (the server is started once, i
 of the contenders rotates from round to round, so drift on a shared machine falls on both. Reported per
 operation: median (min-max) wall seconds, bytes uploaded (the writer's ``stats.bytes_written``), median
 client CPU seconds of the process (the server runs elsewhere), and ratios of the medians to the full save
-(or full load).
+(or full load). The clock covers ``dcp.save`` / ``dcp.load`` only: writers and readers are built before it
+starts (their checks of the target and, with ``base=``, of the base are not counted).
 
     python benchmarks/bench_incremental.py                          # s3rver, 256 MiB, 3 rounds
     python benchmarks/bench_incremental.py --base-mb 1024           # the 1 GiB base
@@ -216,6 +217,7 @@ def main() -> None:
         parser.error("--repeats must be >= 1")
     script = os.path.abspath(__file__)
     rows, raw = [], {}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)  # --profile writes beside it
 
     def run(spec: dict[str, Any], label: str) -> dict[str, Any]:
         res = run_child(script, spec, env=target.env, timeout=args.timeout)
@@ -246,7 +248,9 @@ def main() -> None:
                     runs.setdefault(mode, []).append(run(spec, f"round {round_no + 1} save {mode}"))
                 for mode in order:
                     spec = {**common, "kind": "load", "uri": f"{root}/r{round_no}-{mode}"}
-                    runs.setdefault(f"load {mode}", []).append(run(spec, f"round {round_no + 1} load {mode}"))
+                    saved = "error" not in runs[mode][-1]
+                    res = run(spec, f"round {round_no + 1} load {mode}") if saved else {"error": "not run: save failed"}
+                    runs.setdefault(f"load {mode}", []).append(res)
             raw[scenario] = runs
             rows += _rows(scenario, runs)
             target.clear()
