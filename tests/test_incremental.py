@@ -253,7 +253,7 @@ def _objects(client: Any, bucket: str, prefix: str) -> dict[str, tuple[int, str]
 
 
 def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
-    moto_server: Any, s3_bucket: str, moto_s3_client: Any
+    moto_server: Any, s3_bucket: str, moto_s3_client: Any, tmp_path: Path
 ) -> None:
     root = f"s3://{s3_bucket}/run"
     first = {"frozen": torch.arange(1 << 20, dtype=torch.float32)}
@@ -262,12 +262,10 @@ def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
     base = _objects(moto_s3_client, s3_bucket, "run/step-1/")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dcp_cloud.__file__).parents[1]), *sys.path]))
     # 1 MB/s per connection: each 5 MiB part takes ~5 s, so the save is mid-upload for seconds.
-    with FaultProxy(moto_server.endpoint_url, shaping=Shaping(bandwidth=1e6)) as proxy:
+    log = tmp_path / "child.log"  # a file, not a pipe: a chatty child must not block on a full pipe
+    with FaultProxy(moto_server.endpoint_url, shaping=Shaping(bandwidth=1e6)) as proxy, log.open("wb") as out:
         child = subprocess.Popen(
-            [sys.executable, "-c", _KILLED_SAVE, root, proxy.url],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            [sys.executable, "-c", _KILLED_SAVE, root, proxy.url], env=env, stdout=out, stderr=subprocess.STDOUT
         )
         try:
             deadline = time.monotonic() + 60
@@ -275,7 +273,7 @@ def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
                 pending = moto_s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix="run/step-2/")
                 if proxy.snapshot().request_bytes > (1 << 20) and pending.get("Uploads"):
                     break
-                assert child.poll() is None, f"the save ended before it was killed: {child.stderr.read()!r}"
+                assert child.poll() is None, f"the save ended before it was killed: {log.read_text()[-2000:]}"
                 assert time.monotonic() < deadline, "the save never started uploading"
                 time.sleep(0.05)
             os.kill(child.pid, signal.SIGKILL)
@@ -284,7 +282,6 @@ def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
             if child.poll() is None:
                 child.kill()
                 child.wait()
-            child.stderr.close()
     assert _objects(moto_s3_client, s3_bucket, "run/step-1/") == base  # same keys, sizes and ETags
     _assert_same(_load(f"{root}/step-1", first), first)
     assert "run/step-2/.metadata" not in _objects(moto_s3_client, s3_bucket, "run/step-2/")
@@ -318,6 +315,16 @@ def test_overwriting_a_base_keeps_what_its_dependents_reference(
     assert old_shards <= set(report.deleted_objects), report
     assert not old_shards & set(_objects(moto_s3_client, s3_bucket, "run/"))
     _assert_same(_load(f"{root}/step-1", replacement), replacement)
+
+
+def test_overwriting_a_local_base_keeps_what_its_dependents_reference(tmp_path: Path) -> None:
+    first, second, replacement = _state(8, 1), _state(8, 2), _state(9, 1)
+    dcp.save(first, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True))
+    dcp.save(second, storage_writer=LocalWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
+    dcp.save(replacement, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True, overwrite=True))
+    for reader in (LocalReader(tmp_path / "step-2"), dcp.FileSystemReader(str(tmp_path / "step-2"))):
+        _assert_same(_load("", second, reader), second)
+    _assert_same(_load("", replacement, LocalReader(tmp_path / "step-1")), replacement)
 
 
 def _two_rank_save(rank: int, world: int, root: str) -> dict[str, Any]:
