@@ -3,6 +3,12 @@ follow the references; failures leave the base alone and commit nothing."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,7 @@ from dcp_cloud import (
     S3Writer,
 )
 from dcp_cloud.testing.multirank import run_ranks
-from dcp_cloud.testing.proxy import FaultProxy
+from dcp_cloud.testing.proxy import FaultProxy, Shaping
 
 FROZEN = (1024, 1024)  # 4 MiB fp32: the "base model"
 
@@ -221,6 +227,104 @@ def test_failed_incremental_save_leaves_the_base_and_commits_nothing(
     with pytest.raises(CheckpointNotFoundError):
         S3Reader(f"{root}/step-2")
     _assert_same(_load(f"{root}/step-1", first), first)
+
+
+# A child that saves step 2 of a run whose step 1 is its base: one frozen tensor (a reference) and six changed
+# 4 MiB tensors, in 5 MiB parts (S3's minimum), through a proxy slow enough that it is still uploading when
+# the test kills it.
+_KILLED_SAVE = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_cloud import S3Writer, TransferConfig
+
+root, endpoint = sys.argv[1], sys.argv[2]
+state = {"frozen": torch.arange(1 << 20, dtype=torch.float32)}
+state.update({f"moving.{i}": torch.full((1 << 20,), float(i + 2)) for i in range(6)})
+writer = S3Writer(root + "/step-2", base=root + "/step-1", endpoint_url=endpoint,
+                  transfer=TransferConfig(part_size=5 << 20))
+dcp.save(state, storage_writer=writer)
+"""
+
+
+def _objects(client: Any, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: (o["Size"], o["ETag"]) for o in listed}
+
+
+def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
+    moto_server: Any, s3_bucket: str, moto_s3_client: Any, tmp_path: Path
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    first = {"frozen": torch.arange(1 << 20, dtype=torch.float32)}
+    first.update({f"moving.{i}": torch.full((1 << 20,), float(i)) for i in range(6)})
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    base = _objects(moto_s3_client, s3_bucket, "run/step-1/")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dcp_cloud.__file__).parents[1]), *sys.path]))
+    # 1 MB/s per connection: each 5 MiB part takes ~5 s, so the save is mid-upload for seconds.
+    log = tmp_path / "child.log"  # a file, not a pipe: a chatty child must not block on a full pipe
+    with FaultProxy(moto_server.endpoint_url, shaping=Shaping(bandwidth=1e6)) as proxy, log.open("wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_SAVE, root, proxy.url], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # until part bytes flow and the server holds a multipart upload of step 2
+                pending = moto_s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix="run/step-2/")
+                if proxy.snapshot().request_bytes > (1 << 20) and pending.get("Uploads"):
+                    break
+                assert child.poll() is None, f"the save ended before it was killed: {log.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, "the save never started uploading"
+                time.sleep(0.05)
+            os.kill(child.pid, signal.SIGKILL)
+            assert child.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert _objects(moto_s3_client, s3_bucket, "run/step-1/") == base  # same keys, sizes and ETags
+    _assert_same(_load(f"{root}/step-1", first), first)
+    assert "run/step-2/.metadata" not in _objects(moto_s3_client, s3_bucket, "run/step-2/")
+    with pytest.raises(CheckpointNotFoundError):
+        S3Reader(f"{root}/step-2")
+    report = dcp_cloud.gc(root, older_than=0)
+    assert report.aborted_uploads and all(k.startswith("run/step-2/") for k in report.aborted_uploads), report
+    assert all(k.startswith("run/step-2/") for k in report.deleted_objects), report
+    assert not moto_s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix="run/").get("Uploads")
+    assert _objects(moto_s3_client, s3_bucket, "run/") == base  # only the base is left, untouched
+    _assert_same(_load(f"{root}/step-1", first), first)
+
+
+def test_overwriting_a_base_keeps_what_its_dependents_reference(
+    s3_bucket: str, moto_s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    first, second, replacement = _state(5, 1), _state(5, 2), _state(6, 1)  # replacement: other frozen values
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    old_shards = {k for k in _objects(moto_s3_client, s3_bucket, "run/step-1/") if k.endswith(".distcp")}
+    dcp.save(second, storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
+    assert _records(moto_s3_client, s3_bucket, "run/step-2")["base.weight"].startswith("../step-1/")
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        dcp.save(replacement, storage_writer=S3Writer(f"{root}/step-1", hashes=True, overwrite=True))
+    assert f"{root}/step-2" in caplog.text and "gc" in caplog.text, caplog.text
+    assert old_shards <= set(_objects(moto_s3_client, s3_bucket, "run/step-1/"))
+    _assert_same(_load(f"{root}/step-1", replacement), replacement)
+    _assert_same(_load(f"{root}/step-2", second), second)  # its original values, from the kept shard
+    dcp_cloud.remove_checkpoint(f"{root}/step-2")
+    report = dcp_cloud.gc(root, older_than=0)
+    assert old_shards <= set(report.deleted_objects), report
+    assert not old_shards & set(_objects(moto_s3_client, s3_bucket, "run/"))
+    _assert_same(_load(f"{root}/step-1", replacement), replacement)
+
+
+def test_overwriting_a_local_base_keeps_what_its_dependents_reference(tmp_path: Path) -> None:
+    first, second, replacement = _state(8, 1), _state(8, 2), _state(9, 1)
+    dcp.save(first, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True))
+    dcp.save(second, storage_writer=LocalWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
+    dcp.save(replacement, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True, overwrite=True))
+    for reader in (LocalReader(tmp_path / "step-2"), dcp.FileSystemReader(str(tmp_path / "step-2"))):
+        _assert_same(_load("", second, reader), second)
+    _assert_same(_load("", replacement, LocalReader(tmp_path / "step-1")), replacement)
 
 
 def _two_rank_save(rank: int, world: int, root: str) -> dict[str, Any]:

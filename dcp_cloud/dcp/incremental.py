@@ -31,8 +31,11 @@ older checkpoint, or ``hashes=False``) has every item counted as changed.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import posixpath
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,8 @@ from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
 from ..uri import CheckpointURI, join_key, parse_uri
 from .contenthash import DIGEST_SIZE
 from .layout import META_ATTR, METADATA_NAME, footer_table, load_metadata, storage_info, transform_descriptors
+
+log = logging.getLogger("dcp_cloud")
 
 #: Attribute on a write result carrying its item's digest to ``finish`` (removed before the metadata is written).
 DIGEST_RESULT_ATTR = "_dcp_cloud_digest"
@@ -244,3 +249,56 @@ def collect(results: list[list[Any]], base_footers: dict[str, tuple[int, int]]) 
             if info.relative_path.startswith("../"):
                 footers[info.relative_path] = base_footers[info.relative_path]
     return ({} if missing else digests), footers
+
+
+# -- dependents: committed checkpoints that reference another one's objects ------------------------
+
+
+def referenced_keys(prefix: str, metadata: Any) -> set[str]:
+    """Bucket keys of every object the metadata of the checkpoint at ``prefix`` references."""
+    keys = set()
+    for info in metadata.storage_data.values():
+        relative = str(getattr(info, "relative_path", ""))
+        keys.add(posixpath.normpath(f"{prefix}/{relative}") if prefix else posixpath.normpath(relative))
+    return keys
+
+
+def not_held_by_dependents(store: Any, target: CheckpointURI, stale: Iterable[str]) -> list[str]:
+    """The keys of ``stale`` (objects under ``target``) that no other committed checkpoint beside it references.
+
+    For an overwrite save, after its commit: the shards the new metadata no
+    longer names may still be the bytes of checkpoints saved with
+    ``base=target``. Lists the parent prefix of ``target`` and reads every
+    committed ``.metadata`` there (as ``rm`` looks for dependents); what a
+    dependent references is kept, with a warning, for ``gc`` to remove once
+    nothing references it. If a metadata cannot be read, nothing is deleted.
+    """
+    wanted = set(stale)
+    parent = posixpath.dirname(target.prefix)
+    held: dict[str, set[str]] = defaultdict(set)  # dependent prefix -> keys it references
+    for obj in store.list(f"{parent}/" if parent else ""):
+        prefix, _, name = obj.key.rpartition("/")
+        if name != METADATA_NAME or prefix == target.prefix:
+            continue
+        try:
+            metadata = load_metadata(store.get(obj.key), store.url(obj.key))
+        except (CorruptCheckpointError, ObjectNotFoundError) as exc:
+            log.warning(
+                "overwrite of %s deletes none of its %d replaced shard(s): could not read %s to rule it out as a "
+                "dependent (%s); `gc` removes them once nothing references them",
+                target, len(wanted), store.url(obj.key), exc,
+            )  # fmt: skip
+            return []
+        found = referenced_keys(prefix, metadata) & wanted
+        if found:
+            held[prefix] = found
+    if not held:
+        return sorted(wanted)
+    kept = set().union(*held.values())
+    names = [str(dataclasses.replace(target, prefix=p)) for p in sorted(held)]
+    log.warning(
+        "overwrite of %s keeps %d replaced shard(s) that committed checkpoint(s) saved with base=%s still "
+        "reference: %s; `gc` removes them once nothing references them",
+        target, len(kept), target, ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+    )  # fmt: skip
+    return sorted(wanted - kept)

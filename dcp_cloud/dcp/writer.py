@@ -442,7 +442,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         return stored.storage_meta is not None and stored.storage_meta.save_id == self.save_id
 
     def _delete_unreferenced(self, metadata: Metadata) -> None:
-        """After an overwrite commit, drop shard objects the new metadata does not reference."""
+        """After an overwrite commit, drop shard objects neither the new metadata nor a dependent references."""
         keep = {self.uri.key(info.relative_path) for info in metadata.storage_data.values()}
         store = self._retrying()
         stale = [
@@ -450,6 +450,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             for o in store.list(self.uri.prefix + "/")
             if o.key not in keep and is_shard_path(o.key[len(self.uri.prefix) + 1 :])
         ]
+        if stale:  # shards of this checkpoint that incremental checkpoints saved on it may still reference
+            stale = incremental.not_held_by_dependents(store, self.uri, stale)
         if stale:
             store.delete(stale)
 

@@ -9,20 +9,13 @@ that ``rm`` runs; :func:`committed_under` gathers its input.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from ..dcp.incremental import referenced_keys
 from .common import _METADATA, _basename, _group, _Root, log
 
-
-def referenced_keys(prefix: str, metadata: Any) -> set[str]:
-    """Bucket keys of every object the metadata of the checkpoint at ``prefix`` references."""
-    keys = set()
-    for info in metadata.storage_data.values():
-        relative = str(getattr(info, "relative_path", ""))
-        keys.add(posixpath.normpath(f"{prefix}/{relative}") if prefix else posixpath.normpath(relative))
-    return keys
+__all__ = ["committed_under", "dependents_of", "referenced_keys"]
 
 
 def dependents_of(target: str, committed: Mapping[str, Any]) -> list[str]:
