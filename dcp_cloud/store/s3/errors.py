@@ -36,25 +36,7 @@ _ACCESS_CODES = frozenset(
     }
 )
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-        "RequestThrottled",
-        "BandwidthLimitExceeded",
-        "OperationAborted",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
+#: Codes that mean "slow down": they also cut the process's request rate (see store/ratelimit.py).
 _THROTTLE_CODES = frozenset(
     {
         "SlowDown",
@@ -68,6 +50,7 @@ _THROTTLE_CODES = frozenset(
         "503",
     }
 )
+_TRANSIENT_CODES = _THROTTLE_CODES | {"RequestTimeout", "InternalError", "OperationAborted", "500", "502", "504"}
 _TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 _RANGE_CODES = frozenset({"InvalidRange", "416"})
 _REGION_CODES = frozenset(
