@@ -30,6 +30,7 @@ from dcp_cloud.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 from dcp_cloud.store.s3 import S3_PART_LIMITS, S3Config, S3Store, _translate
@@ -63,11 +64,11 @@ def _client_error(code: str, status: int, op: str = "GetObject", **extra: Any) -
         ("ExpiredToken", 400, "k", AccessDeniedError),
         ("PreconditionFailed", 412, "k", PreconditionFailedError),
         ("ConditionalRequestConflict", 409, "k", PreconditionFailedError),
-        ("SlowDown", 503, "k", TransientStoreError),
-        ("ServiceUnavailable", 503, "k", TransientStoreError),
+        ("SlowDown", 503, "k", ThrottledError),
+        ("ServiceUnavailable", 503, "k", ThrottledError),
         ("InternalError", 500, "k", TransientStoreError),
         ("RequestTimeout", 400, "k", TransientStoreError),
-        ("TooManyRequests", 429, "k", TransientStoreError),
+        ("TooManyRequests", 429, "k", ThrottledError),
         ("BadGateway", 502, "k", TransientStoreError),
         ("GatewayTimeout", 504, "k", TransientStoreError),
         ("InvalidRange", 416, "k", CorruptCheckpointError),
