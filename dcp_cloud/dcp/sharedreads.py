@@ -6,17 +6,25 @@ the same schedule in its LoadPlan's ``storage_data``. In ``read_data`` every
 rank first reads what only it wants, as before, then walks the schedule's
 rounds in order, the same on every rank:
 
-1. the owner lands its fetch of the round's records (whole stored items,
-   checksums verified as usual), and starts fetching the next round's;
-2. one tiny all-gather of every rank's status: if any rank failed (a store
-   error, a checksum mismatch, anything), every rank raises that typed error
-   now, so nobody waits in a collective for a rank that is gone;
+1. the owner lands its fetch of the round's records, checksums verified as
+   usual, and starts fetching the next round's. For a tensor whose extras
+   place its raw bytes (anything dcp_cloud wrote uncompressed) only those
+   bytes are fetched and moved, not the torch.save framing; bytes items,
+   compressed items and tensors written by stock torch move whole;
+2. one small all-reduce (MAX) of every rank's failure flag and of the
+   owners' choice per record (raw bytes or whole item); only if some rank
+   failed (a store error, a checksum mismatch, anything) does an all-gather
+   carry the typed errors, and every rank raises one now, so nobody waits in
+   a collective for a rank that is gone;
 3. the bytes move: a broadcast from the owner when the whole group wants
    the record (DDP), point-to-point sends to the wanting ranks otherwise
-   (HSDP replicas), on the group's device (gloo on CPU, NCCL on GPUs);
-4. every wanting rank turns the bytes into its destinations through the
-   planner, exactly as for an item it read whole itself (sub-regions of the
-   stored chunk are narrowed out).
+   (HSDP replicas), on the group's device (gloo on CPU, NCCL on GPUs). Raw
+   bytes go straight out of and into the destination tensor where it holds
+   the whole stored chunk contiguously, on that device, in the stored dtype
+   (the owner reads into it too); otherwise through a staging buffer;
+4. every wanting rank hands its destinations to the planner: in place,
+   narrowed and copied out of the staging buffer, or, for whole items,
+   unpickled exactly as for an item it read whole itself.
 
 A final status exchange covers the last round's commits. Host memory: a
 round holds at most half the transfer budget of records (a larger record is
@@ -349,8 +357,13 @@ class Exchange:
                 works.append(dist.irecv(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group))
         for work in works:
             work.wait()
-        for rec in broadcasts:
-            dist.broadcast(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group)
+        # every broadcast of the round queued at once, in the schedule's order on every rank
+        works = [
+            dist.broadcast(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group, async_op=True)
+            for rec in broadcasts
+        ]
+        for work in works:
+            work.wait()
         if self.device.type != "cpu":
             for host, dev in tensors.values():
                 host.copy_(dev)
