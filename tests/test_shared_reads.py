@@ -70,6 +70,15 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
         out[f"{label}-extra"] = target["extra"]
         dist.barrier()
 
+    # destinations the bytes cannot land in straight (transposed views): staged, narrowed, copied
+    target = {k: torch.zeros(v[1], v[0]).t() for k, v in DDP.items()}
+    before = dict(COUNTS)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(f"s3://{bucket}/ddp", endpoint_url=urls["staged"]))
+    out["staged-counts"] = {k: COUNTS[k] - before[k] for k in COUNTS}
+    want = _ddp_state(zeros=False)
+    out["staged-bad"] = [k for k in DDP if not torch.equal(target[k], want[k])]
+    dist.barrier()
+
     # HSDP: 2 replicas of a 2-way shard
     mesh = init_device_mesh("cpu", (2, 2))
     dcp_cloud.save(_hsdp_state(mesh, zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{bucket}/hsdp"))
@@ -117,8 +126,9 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         FaultProxy(moto_server.endpoint_url) as off,
         FaultProxy(moto_server.endpoint_url) as hsdp,
         FaultProxy(moto_server.endpoint_url, fault_plan) as fault,
+        FaultProxy(moto_server.endpoint_url) as staged,
     ):
-        urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url}
+        urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url, "staged": staged.url}
         out = run_ranks(4, _ranks_body, s3_bucket, urls, env=s3_env, timeout=TIMEOUT)
         stored_ddp = _stored(moto_s3_client, s3_bucket, "ddp")
         stored_hsdp = _stored(moto_s3_client, s3_bucket, "hsdp")
@@ -135,6 +145,8 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         assert result["ddp-counts"]["raw_direct"] == len(DDP), (rank, result["ddp-counts"])
         assert result["ddp-counts"]["raw_staged"] == 0, (rank, result["ddp-counts"])
         assert result["ddp-off-counts"] == dict.fromkeys(result["ddp-off-counts"], 0), (rank, result)
+        assert result["staged-bad"] == [], (rank, result["staged-bad"])
+        assert result["staged-counts"] == {"raw_direct": 0, "raw_staged": len(DDP), "whole": 0}, (rank, result)
         assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
     assert faults == 1
     assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)
