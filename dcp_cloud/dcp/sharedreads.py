@@ -153,9 +153,12 @@ class Exchange:
                     fetch.wait()
                 except Exception as exc:  # noqa: BLE001 - reported below, on every rank
                     error = exc
+            elif fetch is not None:  # a failure since it started: let its reads end before their buffers go
+                fetch.abandon()
             fetch = None
-            # the owner's choice for each record of the round: raw tensor bytes (1) or the whole item (0)
-            modes = [int(rec.owner == self.rank and self.owned[rec.key].raw) for rec in rnd] if error is None else []
+            # the owner's choice for each record of the round: its raw tensor bytes (their count + 1) or the
+            # whole item (0)
+            modes = [self._mode(rec) for rec in rnd] if error is None else []
             if error is None and i + 1 < len(rounds):
                 try:
                     fetch = self._start(rounds[i + 1])
@@ -167,12 +170,12 @@ class Exchange:
                 if fetch is not None:
                     fetch.abandon()
                 raise
+            slots, error = self._slots(rnd, modes)
+            self._transfer(rnd, slots)  # on every rank, whatever its slots' failures: nobody is left waiting
             try:
-                slots = self._slots(rnd, modes)
-                self._transfer(rnd, slots)
                 self._commit(rnd, slots)
             except Exception as exc:  # noqa: BLE001 - reported at the next status exchange
-                error = exc
+                error = error or exc
             for rec in rnd:
                 self.owned.pop(rec.key, None)
         self._status(error, [])
@@ -303,24 +306,42 @@ class Exchange:
             raise SharedReadError("another rank of the load failed")
         return [int(v) for v in values[1:]]
 
-    def _slots(self, rnd: tuple[SharedRecord, ...], modes: list[int]) -> dict[RecordKey, _Slot]:
-        """This rank's slot of each record of the round (the owner's from its fetch)."""
+    def _mode(self, rec: SharedRecord) -> int:
+        if rec.owner != self.rank:
+            return 0
+        slot = self.owned[rec.key]
+        return slot.nbytes + 1 if slot.raw else 0
+
+    def _slots(
+        self, rnd: tuple[SharedRecord, ...], modes: list[int]
+    ) -> tuple[dict[RecordKey, _Slot], BaseException | None]:
+        """This rank's slot of each record of the round (the owner's from its fetch), and the first failure
+        to set one up (that record then gets a scratch buffer, so the transfer still takes place)."""
         slots: dict[RecordKey, _Slot] = {}
-        for rec, raw in zip(rnd, modes, strict=True):
+        error: BaseException | None = None
+        for rec, mode in zip(rnd, modes, strict=True):
             if rec.owner == self.rank:
                 slots[rec.key] = self.owned[rec.key]
                 continue
             items = self.mine.get(rec.key)
-            if raw:
-                found = self.run.chunks.lookup(items[0][1].storage_index) if items else None
-                if items and found is None:
-                    raise CorruptCheckpointError(f"{items[0][2]}: the metadata has no such chunk")
-                slots[rec.key] = self._raw_slot(rec, *found) if found else _Slot()
-                slots[rec.key].raw = True
-            else:
+            if not mode:
                 slot = slots[rec.key] = _Slot()
                 slot.whole = bytearray(rec.nbytes) if items else None
-        return slots
+                continue
+            try:
+                found = self.run.chunks.lookup(items[0][1].storage_index) if items else None
+                if items and (found is None or _nbytes(*found) != mode - 1):
+                    raise CorruptCheckpointError(f"{items[0][2]}: the metadata has no chunk of {mode - 1} bytes")
+                slots[rec.key] = self._raw_slot(rec, *found) if found else _Slot()
+            except Exception as exc:  # noqa: BLE001 - raised after the transfer, reported at the next status
+                error = error or exc
+                slots[rec.key] = _Slot()
+            slot = slots[rec.key]
+            if slot.buf is None and items:
+                slot.targets = []
+                slot.buf = torch.empty(mode - 1, dtype=torch.uint8, device=self.device)
+            slot.raw, slot.nbytes = True, mode - 1
+        return slots, error
 
     def _transfer(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
         """Move each record from its owner to the other ranks that want it (into their slots)."""
