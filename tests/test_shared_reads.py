@@ -4,7 +4,8 @@ Counted at the fault proxy (an independent byte counter between the ranks
 and moto): a DDP-style load (one process saved, 4 ranks each want
 everything) and an HSDP-style one (DTensors on a 2x2 mesh, ``[Replicate(),
 Shard(0)]``) fetch at most 1.10x the bytes stored, and every rank ends with
-the saved values bit for bit; with ``share_reads=False`` the DDP load
+the saved values bit for bit (the DDP tensors moved as raw bytes straight
+into their destinations, not as whole items unpickled on every rank); with ``share_reads=False`` the DDP load
 fetches them once per rank, as before. A rank whose fetch fails gives every
 rank the typed error, with no hang. The schedule itself is unit-tested
 without processes.
@@ -54,17 +55,29 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
     from torch.distributed.device_mesh import init_device_mesh
 
     import dcp_cloud
+    from dcp_cloud.dcp.sharedreads import COUNTS
 
     out: dict[str, Any] = {}
     # DDP: one process saved (in the test), every rank wants everything
     for label, share in (("ddp", True), ("ddp-off", False)):
         target = _ddp_state(zeros=True)
         reader = dcp_cloud.S3Reader(f"s3://{bucket}/ddp", endpoint_url=urls[label], share_reads=share)
+        before = dict(COUNTS)
         dcp_cloud.load(target, storage_reader=reader)
+        out[f"{label}-counts"] = {k: COUNTS[k] - before[k] for k in COUNTS}
         want = _ddp_state(zeros=False)
         out[f"{label}-bad"] = [k for k in DDP if not torch.equal(target[k], want[k])]
         out[f"{label}-extra"] = target["extra"]
         dist.barrier()
+
+    # destinations the bytes cannot land in straight (transposed views): staged, narrowed, copied
+    target = {k: torch.zeros(v[1], v[0]).t() for k, v in DDP.items()}
+    before = dict(COUNTS)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(f"s3://{bucket}/ddp", endpoint_url=urls["staged"]))
+    out["staged-counts"] = {k: COUNTS[k] - before[k] for k in COUNTS}
+    want = _ddp_state(zeros=False)
+    out["staged-bad"] = [k for k in DDP if not torch.equal(target[k], want[k])]
+    dist.barrier()
 
     # HSDP: 2 replicas of a 2-way shard
     mesh = init_device_mesh("cpu", (2, 2))
@@ -113,8 +126,9 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         FaultProxy(moto_server.endpoint_url) as off,
         FaultProxy(moto_server.endpoint_url) as hsdp,
         FaultProxy(moto_server.endpoint_url, fault_plan) as fault,
+        FaultProxy(moto_server.endpoint_url) as staged,
     ):
-        urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url}
+        urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url, "staged": staged.url}
         out = run_ranks(4, _ranks_body, s3_bucket, urls, env=s3_env, timeout=TIMEOUT)
         stored_ddp = _stored(moto_s3_client, s3_bucket, "ddp")
         stored_hsdp = _stored(moto_s3_client, s3_bucket, "hsdp")
@@ -127,6 +141,12 @@ def test_replicated_loads_fetch_each_stored_byte_once(
     for rank, result in enumerate(out):
         assert result["ddp-bad"] == [] and result["ddp-off-bad"] == [] and result["hsdp-bad"] == [], (rank, result)
         assert result["ddp-extra"] == {"epoch": 3, "name": "run-7"}, (rank, result)
+        # the fp32 tensors moved as raw bytes straight into the destinations, not unpickled from whole items
+        assert result["ddp-counts"]["raw_direct"] == len(DDP), (rank, result["ddp-counts"])
+        assert result["ddp-counts"]["raw_staged"] == 0, (rank, result["ddp-counts"])
+        assert result["ddp-off-counts"] == dict.fromkeys(result["ddp-off-counts"], 0), (rank, result)
+        assert result["staged-bad"] == [], (rank, result["staged-bad"])
+        assert result["staged-counts"] == {"raw_direct": 0, "raw_staged": len(DDP), "whole": 0}, (rank, result)
         assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
     assert faults == 1
     assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)

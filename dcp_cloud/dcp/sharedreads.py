@@ -6,17 +6,25 @@ the same schedule in its LoadPlan's ``storage_data``. In ``read_data`` every
 rank first reads what only it wants, as before, then walks the schedule's
 rounds in order, the same on every rank:
 
-1. the owner lands its fetch of the round's records (whole stored items,
-   checksums verified as usual), and starts fetching the next round's;
-2. one tiny all-gather of every rank's status: if any rank failed (a store
-   error, a checksum mismatch, anything), every rank raises that typed error
-   now, so nobody waits in a collective for a rank that is gone;
+1. the owner lands its fetch of the round's records, checksums verified as
+   usual, and starts fetching the next round's. For a tensor whose extras
+   place its raw bytes (anything dcp_cloud wrote uncompressed) only those
+   bytes are fetched and moved, not the torch.save framing; bytes items,
+   compressed items and tensors written by stock torch move whole;
+2. one small all-reduce (MAX) of every rank's failure flag and of the
+   owners' choice per record (raw bytes or whole item); only if some rank
+   failed (a store error, a checksum mismatch, anything) does an all-gather
+   carry the typed errors, and every rank raises one now, so nobody waits in
+   a collective for a rank that is gone;
 3. the bytes move: a broadcast from the owner when the whole group wants
    the record (DDP), point-to-point sends to the wanting ranks otherwise
-   (HSDP replicas), on the group's device (gloo on CPU, NCCL on GPUs);
-4. every wanting rank turns the bytes into its destinations through the
-   planner, exactly as for an item it read whole itself (sub-regions of the
-   stored chunk are narrowed out).
+   (HSDP replicas), on the group's device (gloo on CPU, NCCL on GPUs). Raw
+   bytes go straight out of and into the destination tensor where it holds
+   the whole stored chunk contiguously, on that device, in the stored dtype
+   (the owner reads into it too); otherwise through a staging buffer;
+4. every wanting rank hands its destinations to the planner: in place,
+   narrowed and copied out of the staging buffer, or, for whole items,
+   unpickled exactly as for an item it read whole itself.
 
 A final status exchange covers the last round's commits. Host memory: a
 round holds at most half the transfer budget of records (a larger record is
@@ -32,13 +40,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import DcpCloudError, StoreError
+from ..errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..planner.readshare import RecordKey, SharedRecord, ShareSchedule
 from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
-from .loadrun import LoadRun, commit_whole
+from .loadrun import LoadRun, commit, commit_whole
+from .tensorbytes import tensor_bytes
 
 __all__ = ["SharedReadError", "run_exchange"]
 
@@ -47,16 +57,46 @@ class SharedReadError(StoreError):
     """Another rank of the load failed, with an error that could not be carried as itself (see its message)."""
 
 
+#: How the shared records of this process were landed (read by tests): ``raw_direct`` (the raw tensor
+#: bytes moved straight into/out of the destination), ``raw_staged`` (raw bytes through a staging buffer,
+#: then narrowed and copied), ``whole`` (the whole stored item, unpickled on every wanting rank).
+COUNTS: dict[str, int] = {"raw_direct": 0, "raw_staged": 0, "whole": 0}
+
+
+class _Slot:
+    """Where one shared record's bytes live on this rank during its round.
+
+    ``raw``: only the raw tensor bytes move (``nbytes`` of them, a chunk of
+    ``shape`` and ``dtype``); ``buf`` is a uint8 tensor on the group's device,
+    either the destination itself (``direct``) or a staging buffer. Otherwise
+    the whole stored item moves, in ``whole`` (host bytes, as stored).
+    """
+
+    __slots__ = ("buf", "direct", "dtype", "host", "nbytes", "raw", "shape", "targets", "whole")
+
+    def __init__(self) -> None:
+        self.raw = False
+        self.nbytes = 0
+        self.shape: tuple[int, ...] = ()
+        self.dtype = torch.uint8
+        self.buf: torch.Tensor | None = None
+        #: ``(info, req, what, target)`` of this rank's items that want the record (raw only).
+        self.targets: list[tuple[Any, ReadItem, str, torch.Tensor]] = []
+        self.direct = False
+        #: Host bytes the owner reads into when ``buf`` is not host memory.
+        self.host: bytearray | None = None
+        self.whole: bytearray | None = None
+
+
 @dataclass
 class _Fetch:
     """The owner's reads of one round in flight."""
 
-    reads: list[tuple[SharedRecord, bytearray, list[Any], Callable[[], None], str]] = field(default_factory=list)
+    reads: list[tuple[SharedRecord, _Slot, list[Any], Callable[[], None], str]] = field(default_factory=list)
 
-    def wait(self) -> dict[RecordKey, bytearray]:
-        out: dict[RecordKey, bytearray] = {}
+    def wait(self) -> None:
         failure: BaseException | None = None
-        for rec, buf, futures, after, what in self.reads:
+        for _rec, _slot, futures, after, what in self.reads:
             try:
                 for fut in futures:
                     fut.result()
@@ -65,10 +105,8 @@ class _Fetch:
                 failure = failure or (exc if what in str(exc) else type(exc)(f"{exc} (while reading {what})"))
             except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
                 failure = failure or exc
-            out[rec.key] = buf
         if failure is not None:
             raise failure
-        return out
 
     def abandon(self) -> None:
         for _, _, futures, _, _ in self.reads:
@@ -98,6 +136,8 @@ class Exchange:
         self.key_of = key_of
         self.rank = dist.get_rank(group)
         self.device = _comm_device(group)
+        #: The slots of the records this rank owns in the rounds fetched so far.
+        self.owned: dict[RecordKey, _Slot] = {}
 
     def run_all(self, error: BaseException | None) -> None:
         rounds = self.schedule.rounds
@@ -108,33 +148,37 @@ class Exchange:
             except Exception as exc:  # noqa: BLE001 - reported at the first status exchange
                 error = exc
         for i, rnd in enumerate(rounds):
-            bufs: dict[RecordKey, bytearray] = {}
             if error is None and fetch is not None:
                 try:
-                    bufs = fetch.wait()
+                    fetch.wait()
                 except Exception as exc:  # noqa: BLE001 - reported below, on every rank
                     error = exc
+            elif fetch is not None:  # a failure since it started: let its reads end before their buffers go
+                fetch.abandon()
             fetch = None
+            # the owner's choice for each record of the round: its raw tensor bytes (their count + 1) or the
+            # whole item (0)
+            modes = [self._mode(rec) for rec in rnd] if error is None else []
             if error is None and i + 1 < len(rounds):
                 try:
                     fetch = self._start(rounds[i + 1])
                 except Exception as exc:  # noqa: BLE001 - reported below, on every rank
                     error = exc
             try:
-                self._status(error)
+                modes = self._status(error, modes or [0] * len(rnd))
             except BaseException:
                 if fetch is not None:
                     fetch.abandon()
                 raise
-            self._transfer(rnd, bufs)
+            slots, error = self._slots(rnd, modes)
+            self._transfer(rnd, slots)  # on every rank, whatever its slots' failures: nobody is left waiting
             try:
-                for rec in rnd:
-                    for info, req, what in self.mine.get(rec.key, ()):
-                        commit_whole(self.planner, req, info, bufs[rec.key], transform_descriptors(info), what)
+                self._commit(rnd, slots)
             except Exception as exc:  # noqa: BLE001 - reported at the next status exchange
-                error = exc
-            bufs.clear()
-        self._status(error)
+                error = error or exc
+            for rec in rnd:
+                self.owned.pop(rec.key, None)
+        self._status(error, [])
 
     # -- steps ------------------------------------------------------------
     def _start(self, rnd: tuple[SharedRecord, ...]) -> _Fetch:
@@ -143,24 +187,91 @@ class Exchange:
         for rec in rnd:
             if rec.owner != self.rank:
                 continue
-            info, _req, what = self.mine[rec.key][0]
+            info, req, what = self.mine[rec.key][0]
             key = self.key_of(info.relative_path)
             extras = self.extras_of(key, info, what)
-            buf = bytearray(rec.nbytes)
-            futures, after = self._read(key, info, extras, what, buf)
-            fetch.reads.append((rec, buf, futures, after, what))
+            slot = self._owner_slot(rec, info, req, extras)
+            self.owned[rec.key] = slot
+            futures, after = self._read(key, info, extras, what, slot)
+            fetch.reads.append((rec, slot, futures, after, what))
         return fetch
 
+    def _owner_slot(self, rec: SharedRecord, info: Any, req: ReadItem, extras: ItemExtras | None) -> _Slot:
+        """The owner's slot: raw tensor bytes where the extras place them, else the whole stored item."""
+        found = None
+        if (
+            req.type != LoadItemType.BYTE_IO
+            and not transform_descriptors(info)
+            and extras is not None
+            and extras.raw_offset is not None
+        ):
+            found = self.run.chunks.lookup(req.storage_index)
+        if found is not None:
+            nbytes = _nbytes(*found)
+            if extras is not None and (extras.block_size == 0 or extras.checked_length == nbytes):
+                return self._raw_slot(rec, *found)
+        slot = _Slot()
+        slot.whole = bytearray(rec.nbytes)
+        return slot
+
+    def _raw_slot(self, rec: SharedRecord, shape: tuple[int, ...], dtype: torch.dtype) -> _Slot:
+        """This rank's slot of a record whose raw tensor bytes move: straight into the destination where
+        its layout allows, else a staging buffer on the group's device."""
+        slot = _Slot()
+        slot.raw, slot.shape, slot.dtype, slot.nbytes = True, shape, dtype, _nbytes(shape, dtype)
+        items = self.mine.get(rec.key, [])
+        for info, req, what in items:
+            target = self.planner.resolve_tensor(req).detach()
+            slot.targets.append((info, req, what, target))
+        if len(slot.targets) == 1:
+            _, req, _, target = slot.targets[0]
+            slot.direct = (
+                all(o == 0 for o in req.storage_offsets)
+                and tuple(req.lengths) == shape
+                and tuple(target.shape) == shape
+                and target.dtype == dtype
+                and target.device == self.device
+                and target.is_contiguous()
+            )
+        if slot.direct:
+            slot.buf = slot.targets[0][3].reshape(-1).view(torch.uint8)
+        elif items:
+            slot.buf = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+        return slot
+
     def _read(
-        self, key: str, info: Any, extras: ItemExtras | None, what: str, buf: bytearray
+        self, key: str, info: Any, extras: ItemExtras | None, what: str, slot: _Slot
     ) -> tuple[list[Any], Callable[[], None]]:
-        """Read one whole stored item, checked as the per-rank path checks it."""
+        """Read one shared record (raw tensor bytes or the whole item), checked as the per-rank path checks it."""
         run = self.run
         engine = run.engine
+        verify = run.transfer.verify_checksums and extras is not None and extras.block_size > 0
+        if slot.raw:
+            assert extras is not None and extras.raw_offset is not None and slot.buf is not None
+            base = info.offset + extras.raw_offset
+            if slot.nbytes == 0:
+                return [], _nothing
+            after: Callable[[], None] = _nothing
+            if slot.buf.device.type == "cpu":
+                view = tensor_bytes(slot.buf)
+            else:
+                slot.host = bytearray(slot.nbytes)
+                view = memoryview(slot.host)
+                buf, host = slot.buf, slot.host
+
+                def after() -> None:
+                    buf.copy_(torch.frombuffer(host, dtype=torch.uint8))
+
+            if verify:
+                assert extras is not None
+                check = run._whole_checker(key, base, extras, what)
+                return engine.read(key, base, [view], align=extras.block_size, check=check), after
+            return engine.read(key, base, [view]), after
+        buf = slot.whole
+        assert buf is not None
         descs = transform_descriptors(info)
         if descs:
             check_descriptors(descs, what)
-        verify = run.transfer.verify_checksums and extras is not None and extras.block_size > 0
         if not verify:
             return engine.read(key, info.offset, [memoryview(buf)]), _nothing
         assert extras is not None
@@ -170,43 +281,91 @@ class Exchange:
         raw = extras.raw_offset
         base = info.offset + raw
 
-        def after() -> None:  # checksums cover the raw tensor bytes only
+        def after_whole() -> None:  # checksums cover the raw tensor bytes only
             view = memoryview(buf)[raw : raw + extras.checked_length]
             run._verify(key, base, extras, what, [(0, view)])
 
-        return engine.read(key, info.offset, [memoryview(buf)]), after
+        return engine.read(key, info.offset, [memoryview(buf)]), after_whole
 
-    def _status(self, error: BaseException | None) -> None:
-        """Every rank's status; raise the first failure (this rank's own, else the lowest failed rank's)."""
-        mine = None if error is None else _portable(error)
-        statuses: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(statuses, mine, group=self.group)
-        if error is not None:
-            raise error
-        for status in statuses:
-            if status is not None:
-                raise status
+    def _status(self, error: BaseException | None, modes: list[int]) -> list[int]:
+        """Every rank's status and the owners' ``modes``, in one small all-reduce (MAX); only when some rank
+        failed, an all-gather carries the typed errors, and the first is raised (this rank's own, else the
+        lowest failed rank's)."""
+        flags = torch.tensor([int(error is not None), *modes], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        values = flags.tolist()
+        if values[0]:
+            mine = None if error is None else _portable(error)
+            statuses: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(statuses, mine, group=self.group)
+            if error is not None:
+                raise error
+            for status in statuses:
+                if status is not None:
+                    raise status
+            raise SharedReadError("another rank of the load failed")
+        return [int(v) for v in values[1:]]
 
-    def _transfer(self, rnd: tuple[SharedRecord, ...], bufs: dict[RecordKey, bytearray]) -> None:
-        """Move each record from its owner to the other ranks that want it (into ``bufs``)."""
+    def _mode(self, rec: SharedRecord) -> int:
+        if rec.owner != self.rank:
+            return 0
+        slot = self.owned[rec.key]
+        return slot.nbytes + 1 if slot.raw else 0
+
+    def _slots(
+        self, rnd: tuple[SharedRecord, ...], modes: list[int]
+    ) -> tuple[dict[RecordKey, _Slot], BaseException | None]:
+        """This rank's slot of each record of the round (the owner's from its fetch), and the first failure
+        to set one up (that record then gets a scratch buffer, so the transfer still takes place)."""
+        slots: dict[RecordKey, _Slot] = {}
+        error: BaseException | None = None
+        for rec, mode in zip(rnd, modes, strict=True):
+            if rec.owner == self.rank:
+                slots[rec.key] = self.owned[rec.key]
+                continue
+            items = self.mine.get(rec.key)
+            if not mode:
+                slot = slots[rec.key] = _Slot()
+                slot.whole = bytearray(rec.nbytes) if items else None
+                continue
+            try:
+                found = self.run.chunks.lookup(items[0][1].storage_index) if items else None
+                if items and (found is None or _nbytes(*found) != mode - 1):
+                    raise CorruptCheckpointError(f"{items[0][2]}: the metadata has no chunk of {mode - 1} bytes")
+                slots[rec.key] = self._raw_slot(rec, *found) if found else _Slot()
+            except Exception as exc:  # noqa: BLE001 - raised after the transfer, reported at the next status
+                error = error or exc
+                slots[rec.key] = _Slot()
+            slot = slots[rec.key]
+            if slot.buf is None and items:
+                slot.targets = []
+                slot.buf = torch.empty(mode - 1, dtype=torch.uint8, device=self.device)
+            slot.raw, slot.nbytes = True, mode - 1
+        return slots, error
+
+    def _transfer(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
+        """Move each record from its owner to the other ranks that want it (into their slots)."""
         world = self.schedule.world
         group, me = self.group, self.rank
         tensors: dict[RecordKey, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def tensor(rec: SharedRecord) -> torch.Tensor:
+            slot = slots[rec.key]
+            if slot.raw:
+                assert slot.buf is not None
+                return slot.buf
             if rec.key not in tensors:
-                buf = bufs.get(rec.key)
-                if buf is None:
-                    buf = bufs[rec.key] = bytearray(rec.nbytes)
-                host = torch.frombuffer(buf, dtype=torch.uint8) if rec.nbytes else torch.empty(0, dtype=torch.uint8)
+                if slot.whole is None:
+                    slot.whole = bytearray(rec.nbytes)
+                host = torch.frombuffer(slot.whole, dtype=torch.uint8)
                 tensors[rec.key] = (host, host if self.device.type == "cpu" else host.to(self.device))
             return tensors[rec.key][1]
 
         works = []
         broadcasts = []
         for rec in rnd:
-            if rec.nbytes == 0:
-                bufs.setdefault(rec.key, bytearray())
+            slot = slots[rec.key]
+            if (slot.nbytes if slot.raw else rec.nbytes) == 0:
                 continue
             if len(rec.wanters) == world:
                 broadcasts.append(rec)
@@ -219,11 +378,42 @@ class Exchange:
                 works.append(dist.irecv(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group))
         for work in works:
             work.wait()
-        for rec in broadcasts:
-            dist.broadcast(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group)
+        # every broadcast of the round queued at once, in the schedule's order on every rank
+        works = [
+            dist.broadcast(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group, async_op=True)
+            for rec in broadcasts
+        ]
+        for work in works:
+            work.wait()
         if self.device.type != "cpu":
             for host, dev in tensors.values():
                 host.copy_(dev)
+
+    def _commit(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
+        """Hand every item of this rank that wants a record of the round to the planner."""
+        for rec in rnd:
+            slot = slots[rec.key]
+            if not slot.raw:
+                for info, req, what in self.mine.get(rec.key, ()):
+                    assert slot.whole is not None
+                    COUNTS["whole"] += 1
+                    commit_whole(self.planner, req, info, slot.whole, transform_descriptors(info), what)
+                continue
+            if slot.direct:
+                _, req, _, target = slot.targets[0]
+                COUNTS["raw_direct"] += 1
+                self.planner.commit_tensor(req, target)
+                continue
+            if not slot.targets:
+                continue
+            assert slot.buf is not None
+            stored = slot.buf.view(slot.dtype).reshape(slot.shape)
+            for _info, req, what, target in slot.targets:
+                COUNTS["raw_staged"] += 1
+                commit(
+                    self.planner, req, target, narrow_tensor_by_index(stored, req.storage_offsets, req.lengths), what
+                )
+            slot.buf = None
 
 
 def run_exchange(
@@ -249,6 +439,13 @@ def _comm_device(group: Any) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch._utils._element_size(dtype)
+    for d in shape:
+        n *= d
+    return n
 
 
 def _portable(exc: BaseException) -> BaseException:
