@@ -50,10 +50,14 @@ def broadcast_bytes(group: Any, fetch: Callable[[], bytes]) -> bytes:
     return value
 
 
-def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling as itself, else a StoreError that names it."""
+def portable(exc: BaseException, fallback: Callable[[str], BaseException]) -> BaseException:
+    """``exc`` if it survives pickling as itself (to cross the process group), else ``fallback(description)``."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - any pickling failure: send a description instead
-        return StoreError(f"reading the checkpoint's metadata failed: {type(exc).__name__}: {exc}")
+        return fallback(f"{type(exc).__name__}: {exc}")
+
+
+def _portable(exc: Exception) -> BaseException:
+    return portable(exc, lambda what: StoreError(f"reading the checkpoint's metadata failed: {what}"))

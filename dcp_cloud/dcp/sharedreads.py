@@ -33,7 +33,6 @@ a round of its own), and at most two rounds are alive at once.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,7 @@ from ..planner.readshare import RecordKey, SharedRecord, ShareSchedule
 from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun, commit, commit_whole
+from .metashare import portable
 from .tensorbytes import tensor_bytes
 
 __all__ = ["SharedReadError", "run_exchange"]
@@ -449,9 +449,4 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling as itself, else a SharedReadError that names it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any pickling failure: send a description instead
-        return SharedReadError(f"another rank of the load failed: {type(exc).__name__}: {exc}")
+    return portable(exc, lambda what: SharedReadError(f"another rank of the load failed: {what}"))
