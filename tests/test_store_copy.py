@@ -19,7 +19,7 @@ def _blob(n: int) -> bytes:
 
 def test_s3_copy_in_parts_above_the_single_copy_limit(s3_store: Any, moto_server: Any) -> None:
     calls: list[str] = []
-    client = s3_store._client()
+    client = s3_store._full_client()  # copies go through botocore's client, whichever sends the data
     client.meta.events.register("before-call.s3.*", lambda model, **kw: calls.append(model.name))
     s3_store.copy_part_size = 256 * 1024  # S3's 5 GiB, scaled down to the test server's part minimum
     data = _blob(700 * 1024)

@@ -185,7 +185,7 @@ def test_default_limits_are_s3s() -> None:
 
 
 def test_client_settings(s3_store: S3Store) -> None:
-    store = S3Store(s3_store.bucket, request_timeout=7.5, max_connections=5)
+    store = S3Store(s3_store.bucket, S3Config(client="botocore"), request_timeout=7.5, max_connections=5)
     config = store._client().meta.config
     assert config.retries["total_max_attempts"] == 1
     assert (config.connect_timeout, config.read_timeout) == (7.5, 7.5)
@@ -293,15 +293,16 @@ def test_payload_signing_over_tls_with_checksums(
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    store = S3Store("bucket", S3Config(endpoint_url=endpoint, region="us-east-1", transport_checksums=checksums))
-    hashes = _payload_hashes(store)
+    config = S3Config(endpoint_url=endpoint, region="us-east-1", transport_checksums=checksums, client="botocore")
+    hashes = _payload_hashes(S3Store("bucket", config))
     assert set(hashes) == {"part", "put"}
     for value in hashes.values():
         assert (value == "UNSIGNED-PAYLOAD") is unsigned, hashes
 
 
 def test_path_style_addressing(s3_bucket: str, moto_server: MotoServer) -> None:
-    store = S3Store(s3_bucket, S3Config(endpoint_url=moto_server.endpoint_url, addressing_style="path"))
+    config = S3Config(endpoint_url=moto_server.endpoint_url, addressing_style="path", client="botocore")
+    store = S3Store(s3_bucket, config)
     assert store._client().meta.config.s3["addressing_style"] == "path"
     seen = _record_requests(store)
     store.put("dir/k", b"path style")
@@ -347,6 +348,8 @@ def test_client_is_created_once_and_per_process(s3_store: S3Store) -> None:
 
 
 def test_transport_checksums_are_sent(s3_store: S3Store) -> None:
+    # The lean client's headers: tests/test_s3_lean.py.
+    s3_store = S3Store(s3_store.bucket, S3Config(client="botocore"), limits=s3_store.limits)
     seen = _record_requests(s3_store)
     data = os.urandom(300_000)
     crc = crc32c.crc32c(data)
@@ -373,7 +376,7 @@ def test_transport_checksums_are_sent(s3_store: S3Store) -> None:
 
 
 def test_transport_checksums_off(s3_bucket: str) -> None:
-    store = S3Store(s3_bucket, S3Config(transport_checksums=False), limits=MOTO_PART_LIMITS)
+    store = S3Store(s3_bucket, S3Config(transport_checksums=False, client="botocore"), limits=MOTO_PART_LIMITS)
     seen = _record_requests(store)
     store.put("k", b"abc", crc32c=crc32c.crc32c(b"abc"))
     assert not [h for h in seen[-1].headers if h.lower().startswith("x-amz-checksum")]
@@ -394,6 +397,7 @@ def test_modified_times(s3_store: S3Store) -> None:
 
 
 def test_delete_in_batches_of_1000(s3_store: S3Store) -> None:
+    s3_store = S3Store(s3_store.bucket, S3Config(client="botocore"), limits=s3_store.limits)
     s3_store.put("keep", b"1")
     s3_store.put("gone-0001", b"2")
     batches: list[int] = []
@@ -563,10 +567,10 @@ class FakeS3:
         self.thread.start()
         self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def store(self, request_timeout: float = 5.0) -> S3Store:
+    def store(self, request_timeout: float = 5.0, client: str = "auto") -> S3Store:
         return S3Store(
             "bkt",
-            S3Config(endpoint_url=self.endpoint_url, region="us-east-1", addressing_style="path"),
+            S3Config(endpoint_url=self.endpoint_url, region="us-east-1", addressing_style="path", client=client),  # type: ignore[arg-type]
             request_timeout=request_timeout,
         )
 
@@ -675,14 +679,15 @@ def test_range_ignored_by_server_still_reads_the_right_bytes(fake_s3: FakeS3) ->
         (404, "NoSuchBucket", BucketNotFoundError),
     ],
 )
-def test_http_errors_through_botocore(fake_s3: FakeS3, status: int, code: str, expected: type) -> None:
+@pytest.mark.parametrize("client", ["botocore", "lean"])
+def test_http_errors_of_either_client(fake_s3: FakeS3, status: int, code: str, expected: type, client: str) -> None:
     fake_s3.respond = _error(status, code)
-    requests: list[int] = []
-    store = fake_s3.store()
-    store._client().meta.events.register("before-send.s3", lambda **_: requests.append(1))
-    with pytest.raises(expected):
+    store = fake_s3.store(client=client)
+    with pytest.raises(expected) as info:
         store.read_into("k", 0, [memoryview(bytearray(10))])
-    assert len(requests) == 1  # boto3 did not retry on its own
+    assert len(fake_s3.requests) == 1  # the client did not retry on its own
+    assert isinstance(info.value.__cause__, bce.ClientError)
+    assert info.value.__cause__.response["Error"]["Code"] == code
 
 
 def test_stalled_body_times_out_as_transient(fake_s3: FakeS3) -> None:
@@ -691,14 +696,18 @@ def test_stalled_body_times_out_as_transient(fake_s3: FakeS3) -> None:
         fake_s3.store(request_timeout=0.3).read_into("k", 0, [memoryview(bytearray(10))])
 
 
-def test_connection_refused_is_transient(s3_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("client", ["botocore", "lean"])
+def test_connection_refused_is_transient(s3_env: dict[str, str], client: str) -> None:
+    import urllib3.exceptions
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    store = S3Store("bkt", S3Config(endpoint_url=f"http://127.0.0.1:{port}"), request_timeout=2)
+    store = S3Store("bkt", S3Config(endpoint_url=f"http://127.0.0.1:{port}", client=client), request_timeout=2)
     with pytest.raises(TransientStoreError) as info:
         store.get("k")
-    assert isinstance(info.value.__cause__, bce.EndpointConnectionError)
+    cause = bce.EndpointConnectionError if client == "botocore" else urllib3.exceptions.NewConnectionError
+    assert isinstance(info.value.__cause__, cause)
 
 
 # -- MotoServer -----------------------------------------------------------------------------------------

@@ -78,6 +78,11 @@ class ScatterReader(io.RawIOBase):
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def pieces(self) -> list[memoryview]:
+        """The buffers, in order (a client that sends a list of buffers takes them as they are)."""
+        return self._views
+
     def readable(self) -> bool:
         return True
 

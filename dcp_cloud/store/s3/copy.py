@@ -23,7 +23,7 @@ class S3Store(Protocol):
     copy_part_size: int
     limits: PartLimits
 
-    def _client(self) -> Any: ...
+    def _full_client(self) -> Any: ...
 
     def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError: ...
 
@@ -32,7 +32,7 @@ def copy_object(store: S3Store, source_key: str, key: str, source_bucket: str | 
     """Copy ``source_bucket/source_key`` (default: the store's bucket) to ``key`` of the store's bucket."""
     bucket = source_bucket or store.bucket
     source = {"Bucket": bucket, "Key": source_key}
-    client = store._client()
+    client = store._full_client()
     try:
         size = int(client.head_object(**source)["ContentLength"])
     except Exception as exc:

@@ -81,7 +81,7 @@ def _caused_by_cert_failure(exc: BaseException) -> bool:
 
 
 def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "access") -> DcpCloudError:
-    """Map a boto3/botocore/urllib3/socket failure to a dcp_cloud error.
+    """Map a failure of either client (botocore, or the lean one: urllib3, socket) to a dcp_cloud error.
 
     Decides on error codes, HTTP statuses and exception types only, never on
     message text. The caller raises the result ``from exc``. Messages name
@@ -174,7 +174,7 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
             f"could not obtain AWS credentials to {action} {where} ({type(exc).__name__}): "
             "check AWS_PROFILE / SSO login / the instance role"
         )
-    if isinstance(exc, bce.SSLError) and _caused_by_cert_failure(exc):
+    if isinstance(exc, (bce.SSLError, u3e.SSLError)) and _caused_by_cert_failure(exc):
         return StoreError(
             f"TLS certificate of the S3 endpoint was rejected while trying to {action} {where}: "
             "fix the endpoint URL or AWS_CA_BUNDLE"

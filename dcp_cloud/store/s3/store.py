@@ -18,6 +18,7 @@ from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
 from .config import S3Config, _require
 from .copy import copy_object
 from .errors import _s3_url, _translate
+from .lean import LeanS3Client, lean_settings
 from .responses import _etag, _server_time, _timestamp
 
 MiB = 1024 * 1024
@@ -161,6 +162,20 @@ class S3Store:
         )
 
     def _make_client(self) -> Any:
+        """The lean client where :func:`lean_settings` allows it (see S3Config.client), else botocore's."""
+        settings = lean_settings(self.config)
+        if settings is None:
+            return self._make_botocore_client()
+        return LeanS3Client(
+            settings,
+            profile=self.config.profile,
+            timeout=self.request_timeout,
+            max_connections=self.max_connections,
+            unsigned_payload_over_tls=self.config.transport_checksums,
+            fallback=self._make_botocore_client,
+        )
+
+    def _make_botocore_client(self) -> Any:
         import botocore.session
         from botocore.config import Config
 
@@ -210,6 +225,11 @@ class S3Store:
                     raise _translate(exc, self.bucket, None, "connect to") from exc
                 self._client_pid = pid
             return self._client_obj
+
+    def _full_client(self) -> Any:
+        """botocore's client, for what the lean client does not implement (copies, upload listings)."""
+        client = self._client()
+        return client.botocore() if isinstance(client, LeanS3Client) else client
 
     def _process_lock(self) -> threading.Lock:
         pid = os.getpid()
@@ -365,16 +385,19 @@ class S3Store:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         try:
-            pages = (
-                self._client()
-                .get_paginator("list_objects_v2")
-                .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
-            )
-            for page in pages:
+            token: str | None = None
+            while True:
+                kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": self._list_page_size}
+                if token:
+                    kwargs["ContinuationToken"] = token
+                page = self._client().list_objects_v2(**kwargs)
                 for item in page.get("Contents", ()):
                     yield ObjectInfo(
                         item["Key"], int(item["Size"]), _etag(item.get("ETag")), _timestamp(item.get("LastModified"))
                     )
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not token:
+                    break
         except DcpCloudError:
             raise
         except Exception as exc:
@@ -479,7 +502,7 @@ class S3Store:
         found: list[PendingUpload] = []
         try:
             pages = (
-                self._client()
+                self._full_client()
                 .get_paginator("list_multipart_uploads")
                 .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
             )

@@ -1,0 +1,514 @@
+"""LeanS3Client: the S3 requests a checkpoint makes, over urllib3, without building a botocore client.
+
+Why it exists: a fresh process pays for its first botocore client with
+0.2-0.4 s of CPU (the S3 service model and endpoint rules parsed from JSON,
+hundreds of event handlers registered), and the ~50,000 objects it leaves
+behind tip Python into a full garbage collection of the whole torch heap
+(another 0.15-0.3 s). Every rank of a job pays both before its first byte
+moves; on small shards that is most of a save or load. botocore also runs
+its event chain on every request and waits a round trip for
+``100-continue`` before every upload body. This client signs with SigV4
+itself (:mod:`.sigv4`) and sends on a urllib3 pool: about a millisecond to
+build.
+
+It speaks botocore's dialect, so the store and its one error-translation
+function treat both clients alike: the same method names and keyword
+arguments, the same response keys, failures raised as botocore's
+``ClientError`` (with the same ``Error``/``ResponseMetadata`` shape) or as
+urllib3's exceptions. What it does not implement (server-side copies,
+listings of pending uploads) goes to a botocore client built on first use.
+
+Which client a store uses is :attr:`S3Config.client`; see :func:`lean_settings`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import email.utils
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+from xml.etree import ElementTree
+from xml.sax.saxutils import escape
+
+from .config import S3Config
+from .sigv4 import (
+    EMPTY_SHA256,
+    UNSIGNED_PAYLOAD,
+    Credentials,
+    canonical_query,
+    payload_sha256,
+    sign,
+    uri_encode_path,
+)
+
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_XMLNS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+#: Environment variables under which botocore would route through a proxy (the lean client does not).
+_PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@dataclass(frozen=True)
+class LeanSettings:
+    """Everything the lean client needs that is not a credential."""
+
+    endpoint_url: str
+    region: str
+    path_style: bool
+    ca_bundle: str | None
+
+
+def _endpoint_from_env() -> str | None:
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def lean_settings(config: S3Config) -> LeanSettings | None:
+    """The lean client's settings, or None where the store should build a botocore client.
+
+    ``client="botocore"`` always gives None. ``"auto"`` (the default) takes the
+    lean client where its behaviour is botocore's without reading
+    ``~/.aws/config``: an endpoint given in the config or the environment
+    (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), no named profile, and no
+    proxy variables. ``"lean"`` takes it wherever it can: on AWS itself the
+    endpoint is ``https://s3.<region>.amazonaws.com``.
+    """
+    if config.client == "botocore":
+        return None
+    endpoint = config.endpoint_url or _endpoint_from_env()
+    if config.client == "auto":
+        profile = config.profile or os.environ.get("AWS_PROFILE")
+        if endpoint is None or profile or any(os.environ.get(v) for v in _PROXY_VARS):
+            return None
+    region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    if endpoint is None:
+        endpoint = f"https://s3.{region}.amazonaws.com"
+    host = urlsplit(endpoint).hostname or ""
+    path_style = config.addressing_style == "path" or (config.addressing_style == "auto" and _is_ip(host))
+    return LeanSettings(endpoint.rstrip("/"), region, path_style, os.environ.get("AWS_CA_BUNDLE") or None)
+
+
+def _is_ip(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _dns_bucket(bucket: str, tls: bool) -> bool:
+    """Whether the bucket name can be a host label (virtual-hosted addressing), as botocore decides."""
+    if not 3 <= len(bucket) <= 63 or bucket.lower() != bucket or (tls and "." in bucket):
+        return False
+    return all(part and part[0].isalnum() and part[-1].isalnum() for part in bucket.split("."))
+
+
+class _Credentials:
+    """Static keys from the environment when present; otherwise botocore's provider chain (built once)."""
+
+    def __init__(self, profile: str | None) -> None:
+        self._profile = profile
+        self._lock = threading.Lock()
+        self._static: Credentials | None = None
+        self._provider: Any = None
+        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if profile is None and key and secret:
+            self._static = Credentials(key, secret, os.environ.get("AWS_SESSION_TOKEN") or None)
+
+    def get(self) -> Credentials:
+        if self._static is not None:
+            return self._static
+        with self._lock:
+            if self._provider is None:
+                import botocore.session
+                from botocore.exceptions import NoCredentialsError
+
+                provider = botocore.session.Session(profile=self._profile).get_credentials()
+                if provider is None:
+                    raise NoCredentialsError()
+                self._provider = provider
+        frozen = self._provider.get_frozen_credentials()
+        return Credentials(frozen.access_key, frozen.secret_key, frozen.token)
+
+
+class _Body:
+    """botocore's StreamingBody, as far as the store uses it: ``_raw_stream`` and a checked ``read``."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw_stream = raw
+
+    def read(self) -> bytes:
+        raw = self._raw_stream
+        try:
+            data = raw.read()
+        finally:
+            raw.release_conn()
+        expected = raw.headers.get("content-length")
+        if expected is not None and len(data) != int(expected):
+            from botocore.exceptions import IncompleteReadError
+
+            raise IncompleteReadError(actual_bytes=len(data), expected_bytes=int(expected))
+        return data
+
+    def close(self) -> None:
+        self._raw_stream.close()
+
+
+class _Meta:
+    def __init__(self, endpoint_url: str, region_name: str) -> None:
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+
+
+def _text(node: ElementTree.Element | None, name: str) -> str | None:
+    if node is None:
+        return None
+    found = node.find(_NS + name)
+    if found is None:
+        found = node.find(name)
+    return found.text if found is not None else None
+
+
+def _parse_xml(data: bytes) -> ElementTree.Element | None:
+    if not data:
+        return None
+    try:
+        return ElementTree.fromstring(data)
+    except ElementTree.ParseError:
+        return None
+
+
+def _iso_time(value: str | None) -> _dt.datetime | None:
+    if not value:
+        return None
+    try:
+        return _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+class LeanS3Client:
+    """See the module docstring. Thread-safe; one per configuration and process (store/clients.py)."""
+
+    def __init__(
+        self,
+        settings: LeanSettings,
+        *,
+        profile: str | None,
+        timeout: float,
+        max_connections: int,
+        unsigned_payload_over_tls: bool,
+        fallback: Callable[[], Any],
+    ) -> None:
+        import urllib3
+        from urllib3.connection import HTTPConnection
+
+        parts = urlsplit(settings.endpoint_url)
+        self._scheme = parts.scheme
+        self._host = parts.hostname or ""
+        self._port = parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._tls = parts.scheme == "https"
+        self._settings = settings
+        self._unsigned = unsigned_payload_over_tls and self._tls
+        self._credentials = _Credentials(profile)
+        self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
+        options = [*HTTPConnection.default_socket_options, (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        tls_kwargs: dict[str, Any] = {}
+        if self._tls:
+            tls_kwargs = {"cert_reqs": "CERT_REQUIRED", "ca_certs": settings.ca_bundle or _default_ca_bundle()}
+        self._pool = urllib3.PoolManager(
+            num_pools=16, maxsize=max_connections, block=False, socket_options=options, **tls_kwargs
+        )
+        self._fallback_factory = fallback
+        self._fallback: Any = None
+        self._fallback_lock = threading.Lock()
+        self.meta = _Meta(settings.endpoint_url, settings.region)
+
+    # -- plumbing --------------------------------------------------------------
+
+    def botocore(self) -> Any:
+        """The botocore client of the same configuration, built on first use."""
+        with self._fallback_lock:
+            if self._fallback is None:
+                self._fallback = self._fallback_factory()
+            return self._fallback
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.botocore(), name)
+
+    def close(self) -> None:
+        self._pool.clear()
+        fallback = self._fallback
+        if fallback is not None and hasattr(fallback, "close"):
+            fallback.close()
+
+    def _where(self, bucket: str, key: str | None) -> tuple[str, str, str]:
+        """(host to connect to, Host header, encoded path) of a bucket or object."""
+        host = self._host
+        if self._settings.path_style or not _dns_bucket(bucket, self._tls):
+            path = f"{self._prefix}/{bucket}" + (f"/{key}" if key is not None else "")
+        else:
+            host = f"{bucket}.{host}"
+            path = self._prefix + (f"/{key}" if key is not None else "/")
+        netloc = f"[{host}]" if ":" in host else host
+        if self._port is not None:
+            netloc = f"{netloc}:{self._port}"
+        return host, netloc, uri_encode_path(path)
+
+    def _send(
+        self,
+        op: str,
+        method: str,
+        bucket: str,
+        key: str | None = None,
+        *,
+        query: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        body: Sequence[Any] | None = None,
+        stream: bool = False,
+    ) -> Any:
+        host, netloc, path = self._where(bucket, key)
+        query = query or {}
+        headers = dict(headers or {})
+        headers["host"] = netloc
+        if body is not None:
+            headers["content-length"] = str(sum(len(memoryview(b)) for b in body))
+            digest = UNSIGNED_PAYLOAD if self._unsigned else payload_sha256(body)
+        else:
+            digest = EMPTY_SHA256
+        sign(method, netloc, path, query, headers, digest, self._credentials.get(), self._settings.region)
+        url = path + ("?" + canonical_query(query) if query else "")
+        pool = self._pool.connection_from_host(host, self._port, self._scheme)
+        response = pool.urlopen(
+            method,
+            url,
+            body=list(body) if body is not None else None,
+            headers=headers,
+            retries=False,
+            redirect=False,
+            timeout=self._timeout,
+            preload_content=not stream,
+            decode_content=False,
+            assert_same_host=False,
+        )
+        if response.status >= 300:
+            self._raise(op, method, response, stream)
+        return response
+
+    def _raise(self, op: str, method: str, response: Any, streamed: bool) -> None:
+        from botocore.exceptions import ClientError
+
+        data = b""
+        if method != "HEAD":
+            try:
+                data = response.read() if streamed else response.data
+            except Exception:  # noqa: BLE001 - the status is the error to report
+                data = b""
+        if streamed:
+            response.release_conn()
+        root = _parse_xml(data)
+        code = (_text(root, "Code") if root is not None and root.tag.endswith("Error") else None) or str(
+            response.status
+        )
+        message = (_text(root, "Message") if root is not None else None) or ""
+        raise ClientError(
+            {"Error": {"Code": code, "Message": message}, "ResponseMetadata": self._metadata(response)}, op
+        )
+
+    @staticmethod
+    def _metadata(response: Any) -> dict[str, Any]:
+        headers = {k.lower(): v for k, v in response.headers.items()}
+        return {
+            "HTTPStatusCode": response.status,
+            "HTTPHeaders": headers,
+            "RequestId": headers.get("x-amz-request-id", ""),
+        }
+
+    @staticmethod
+    def _checksum_headers(kwargs: dict[str, Any]) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if kwargs.get("ChecksumCRC32C"):
+            headers["x-amz-checksum-crc32c"] = kwargs["ChecksumCRC32C"]
+            headers["x-amz-sdk-checksum-algorithm"] = "CRC32C"
+        if kwargs.get("IfNoneMatch"):
+            headers["if-none-match"] = kwargs["IfNoneMatch"]
+        return headers
+
+    @staticmethod
+    def _pieces(body: Any) -> list[Any]:
+        pieces = getattr(body, "pieces", None)
+        if pieces is not None:
+            return list(pieces)
+        return [body]
+
+    # -- operations (botocore's names and arguments) ---------------------------
+
+    def head_bucket(self, *, Bucket: str) -> dict[str, Any]:  # noqa: N803 - botocore's argument names
+        return {"ResponseMetadata": self._metadata(self._send("HeadBucket", "HEAD", Bucket))}
+
+    def head_object(self, *, Bucket: str, Key: str) -> dict[str, Any]:  # noqa: N803
+        response = self._send("HeadObject", "HEAD", Bucket, Key)
+        headers = response.headers
+        modified = headers.get("last-modified")
+        return {
+            "ContentLength": int(headers.get("content-length", 0)),
+            "ETag": headers.get("etag"),
+            "LastModified": email.utils.parsedate_to_datetime(modified) if modified else None,
+            "ResponseMetadata": self._metadata(response),
+        }
+
+    def get_object(self, *, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:  # noqa: N803
+        response = self._send("GetObject", "GET", Bucket, Key, headers={"range": Range} if Range else None, stream=True)
+        headers = response.headers
+        return {
+            "Body": _Body(response),
+            "ContentLength": int(headers.get("content-length", 0)),
+            "ContentRange": headers.get("content-range"),
+            "ETag": headers.get("etag"),
+            "ResponseMetadata": self._metadata(response),
+        }
+
+    def put_object(self, *, Bucket: str, Key: str, Body: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
+        response = self._send(
+            "PutObject", "PUT", Bucket, Key, headers=self._checksum_headers(kwargs), body=self._pieces(Body)
+        )
+        return {"ETag": response.headers.get("etag"), "ResponseMetadata": self._metadata(response)}
+
+    def create_multipart_upload(self, *, Bucket: str, Key: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
+        headers = {"x-amz-checksum-algorithm": kwargs["ChecksumAlgorithm"]} if kwargs.get("ChecksumAlgorithm") else {}
+        response = self._send("CreateMultipartUpload", "POST", Bucket, Key, query={"uploads": ""}, headers=headers)
+        upload_id = _text(_parse_xml(response.data), "UploadId")
+        if not upload_id:
+            from botocore.exceptions import ClientError
+
+            raise ClientError(
+                {"Error": {"Code": "InvalidResponse", "Message": "no UploadId"},
+                 "ResponseMetadata": self._metadata(response)},
+                "CreateMultipartUpload",
+            )  # fmt: skip
+        return {"UploadId": upload_id, "ResponseMetadata": self._metadata(response)}
+
+    def upload_part(
+        self,
+        *,
+        Bucket: str,  # noqa: N803
+        Key: str,  # noqa: N803
+        UploadId: str,  # noqa: N803
+        PartNumber: int,  # noqa: N803
+        Body: Any,  # noqa: N803
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        response = self._send(
+            "UploadPart",
+            "PUT",
+            Bucket,
+            Key,
+            query={"partNumber": str(PartNumber), "uploadId": UploadId},
+            headers=self._checksum_headers(kwargs),
+            body=self._pieces(Body),
+        )
+        return {"ETag": response.headers.get("etag"), "ResponseMetadata": self._metadata(response)}
+
+    def complete_multipart_upload(
+        self,
+        *,
+        Bucket: str,  # noqa: N803
+        Key: str,  # noqa: N803
+        UploadId: str,  # noqa: N803
+        MultipartUpload: dict[str, Any],  # noqa: N803
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        parts = []
+        for part in MultipartUpload.get("Parts", ()):
+            crc = part.get("ChecksumCRC32C")
+            extra = f"<ChecksumCRC32C>{escape(crc)}</ChecksumCRC32C>" if crc else ""
+            number, etag = int(part["PartNumber"]), escape(part["ETag"])
+            parts.append(f"<Part><PartNumber>{number}</PartNumber><ETag>{etag}</ETag>{extra}</Part>")
+        body = f"<CompleteMultipartUpload {_XMLNS}>{''.join(parts)}</CompleteMultipartUpload>".encode()
+        headers = self._checksum_headers({"IfNoneMatch": kwargs.get("IfNoneMatch")})
+        response = self._send(
+            "CompleteMultipartUpload", "POST", Bucket, Key, query={"uploadId": UploadId}, headers=headers, body=[body]
+        )
+        root = _parse_xml(response.data)
+        if root is not None and root.tag.endswith("Error"):  # S3 may fail a completion with a 200
+            from botocore.exceptions import ClientError
+
+            raise ClientError(
+                {"Error": {"Code": _text(root, "Code") or "InternalError", "Message": _text(root, "Message") or ""},
+                 "ResponseMetadata": self._metadata(response)},
+                "CompleteMultipartUpload",
+            )  # fmt: skip
+        return {"ETag": _text(root, "ETag"), "ResponseMetadata": self._metadata(response)}
+
+    def abort_multipart_upload(self, *, Bucket: str, Key: str, UploadId: str) -> dict[str, Any]:  # noqa: N803
+        response = self._send("AbortMultipartUpload", "DELETE", Bucket, Key, query={"uploadId": UploadId})
+        return {"ResponseMetadata": self._metadata(response)}
+
+    def delete_objects(self, *, Bucket: str, Delete: dict[str, Any]) -> dict[str, Any]:  # noqa: N803
+        keys = "".join(f"<Object><Key>{escape(o['Key'])}</Key></Object>" for o in Delete.get("Objects", ()))
+        quiet = "<Quiet>true</Quiet>" if Delete.get("Quiet") else ""
+        body = f"<Delete {_XMLNS}>{quiet}{keys}</Delete>".encode()
+        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        response = self._send(
+            "DeleteObjects", "POST", Bucket, query={"delete": ""}, headers={"content-md5": md5}, body=[body]
+        )
+        root = _parse_xml(response.data)
+        errors = []
+        if root is not None:
+            for node in root.iter(_NS + "Error"):
+                errors.append({name: _text(node, name) for name in ("Key", "Code", "Message")})
+        return {"Errors": errors, "ResponseMetadata": self._metadata(response)}
+
+    def list_objects_v2(
+        self,
+        *,
+        Bucket: str,  # noqa: N803
+        Prefix: str = "",  # noqa: N803
+        MaxKeys: int = 1000,  # noqa: N803
+        ContinuationToken: str | None = None,  # noqa: N803
+    ) -> dict[str, Any]:
+        query = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
+        if ContinuationToken:
+            query["continuation-token"] = ContinuationToken
+        response = self._send("ListObjectsV2", "GET", Bucket, query=query)
+        root = _parse_xml(response.data)
+        contents = []
+        if root is not None:
+            for node in root.iter(_NS + "Contents"):
+                contents.append(
+                    {
+                        "Key": _text(node, "Key"),
+                        "Size": int(_text(node, "Size") or 0),
+                        "ETag": _text(node, "ETag"),
+                        "LastModified": _iso_time(_text(node, "LastModified")),
+                    }
+                )
+        truncated = (_text(root, "IsTruncated") or "false").lower() == "true"
+        return {
+            "Contents": contents,
+            "IsTruncated": truncated,
+            "NextContinuationToken": _text(root, "NextContinuationToken"),
+            "ResponseMetadata": self._metadata(response),
+        }
+
+
+def _default_ca_bundle() -> str | None:
+    """The CA file botocore would use (certifi's when installed, else botocore's own), or the system's."""
+    try:
+        import certifi
+
+        return certifi.where()
+    except ImportError:
+        return None
