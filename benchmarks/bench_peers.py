@@ -59,6 +59,25 @@ def _barrier(spec: dict[str, Any]) -> None:
         dist.barrier()
 
 
+def _profiler(spec: dict[str, Any]) -> Any:
+    """A started cProfile.Profile when ``--profile`` was given (it slows the run: never mix with figures)."""
+    if not spec.get("profile"):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)  # CPU of every thread, charged to what the main thread runs
+    prof.enable()
+    return prof
+
+
+def _dump_profile(prof: Any, spec: dict[str, Any]) -> None:
+    prof.disable()
+    rank = int(os.environ.get("RANK", "0"))
+    name = f"{spec['contender']}-{spec['kind']}{spec['world']}-{os.path.basename(spec['uri'])}-rank{rank}.prof"
+    os.makedirs(spec["profile"], exist_ok=True)
+    prof.dump_stats(os.path.join(spec["profile"], name))
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank (or the one process) of one save or load, timed and measured."""
     import torch
@@ -76,6 +95,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     probe = C.PeakProbe()
     probe.start()
     extra: dict[str, Any] = {}
+    prof = _profiler(spec)
     t0 = time.perf_counter()
     if spec["contender"] == "wire":
         import bench_throughput as BT
@@ -91,6 +111,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         extra = {"module": P.module_of(reader)}
     _barrier(spec)
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        _dump_profile(prof, spec)
     mem = probe.stop()
     result = {"seconds": seconds, **mem, **extra}
     if spec["world"] > 1:
@@ -136,6 +158,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots into this directory")
     p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
+    p.add_argument("--profile", default=None, help="cProfile (process CPU time) each timed span into this directory (slows the run)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
@@ -235,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"contender": contender, "uri": f"s3://{C.BUCKET}/{name}",
                         "path": os.path.join(local_root, name), "size_mb": size_mb, "tensors": args.tensors,
                         "seed": args.seed, "verify": not args.no_verify,
-                        "target": targets.get(contender), "transfer": {}, **wire}  # fmt: skip
+                        "target": targets.get(contender), "transfer": {}, "profile": args.profile,
+                        **wire}  # fmt: skip
                 failed = None
                 for kind, world in [("save", save_world), *(("load", w) for w in load_worlds)]:
                     op = _op_name(scenario, kind, world)
