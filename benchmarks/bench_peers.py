@@ -158,7 +158,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots into this directory")
     p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
-    p.add_argument("--profile", default=None, help="cProfile (process CPU time) each timed span into this directory (slows the run)")
+    p.add_argument("--profile", default=None,
+                   help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]

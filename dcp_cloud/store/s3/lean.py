@@ -24,7 +24,6 @@ Which client a store uses is :attr:`S3Config.client`; see :func:`lean_settings`.
 from __future__ import annotations
 
 import base64
-import datetime as _dt
 import email.utils
 import hashlib
 import os
@@ -34,10 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
-from xml.etree import ElementTree
 from xml.sax.saxutils import escape
 
 from .config import S3Config
+from .s3xml import _NS, _XMLNS, _iso_time, _parse_xml, _text
 from .sigv4 import (
     EMPTY_SHA256,
     UNSIGNED_PAYLOAD,
@@ -48,8 +47,6 @@ from .sigv4 import (
     uri_encode_path,
 )
 
-_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-_XMLNS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 #: Environment variables under which botocore would route through a proxy (the lean client does not).
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 
@@ -167,33 +164,6 @@ class _Meta:
     def __init__(self, endpoint_url: str, region_name: str) -> None:
         self.endpoint_url = endpoint_url
         self.region_name = region_name
-
-
-def _text(node: ElementTree.Element | None, name: str) -> str | None:
-    if node is None:
-        return None
-    found = node.find(_NS + name)
-    if found is None:
-        found = node.find(name)
-    return found.text if found is not None else None
-
-
-def _parse_xml(data: bytes) -> ElementTree.Element | None:
-    if not data:
-        return None
-    try:
-        return ElementTree.fromstring(data)
-    except ElementTree.ParseError:
-        return None
-
-
-def _iso_time(value: str | None) -> _dt.datetime | None:
-    if not value:
-        return None
-    try:
-        return _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class LeanS3Client:
