@@ -254,7 +254,7 @@ class LeanS3Client:
         headers = dict(headers or {})
         headers["host"] = netloc
         if body is not None:
-            headers["content-length"] = str(sum(len(memoryview(b)) for b in body))
+            headers["content-length"] = str(sum(memoryview(b).nbytes for b in body))
             digest = UNSIGNED_PAYLOAD if self._unsigned else payload_sha256(body)
         else:
             digest = EMPTY_SHA256
