@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--latency", type=float, default=0.01, help="one-way latency of the shaped path (s)")
     parser.add_argument("--bandwidth", type=float, default=100e6, help="bytes/s per connection and direction")
+    parser.add_argument(
+        "--scenarios", default="ddp4,ddp8,hsdp", help="comma-separated subset of ddp4, ddp8, hsdp (default: all)"
+    )
     parser.add_argument("--json", default="bench-results/shared_reads.json")
     args = parser.parse_args()
 
@@ -115,7 +118,15 @@ def main() -> None:
         ddp_uri = "s3://bench/ddp"
         dcp_cloud.save(_state("ddp", args.size_mb, args.tensors, False), storage_writer=dcp_cloud.S3Writer(ddp_uri))
         saved_hsdp = False
-        for label, kind, world in (("DDP, 4 ranks", "ddp", 4), ("DDP, 8 ranks", "ddp", 8), ("HSDP 2x2", "hsdp", 4)):
+        chosen = set(args.scenarios.split(","))
+        scenarios = (
+            ("ddp4", "DDP, 4 ranks", "ddp", 4),
+            ("ddp8", "DDP, 8 ranks", "ddp", 8),
+            ("hsdp", "HSDP 2x2", "hsdp", 4),
+        )
+        for name, label, kind, world in scenarios:
+            if name not in chosen:
+                continue
             uri = ddp_uri if kind == "ddp" else "s3://bench/hsdp"
             spec = {"size_mb": args.size_mb, "tensors": args.tensors, "repeats": args.repeats, "save": not saved_hsdp}
             with (

@@ -69,7 +69,7 @@ class _Item:
 
     __slots__ = (
         "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
-        "run_nbytes", "shape", "spans", "src", "starts", "target", "verify", "wanted", "what",
+        "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
     )  # fmt: skip
 
     shape: tuple[int, ...]
@@ -94,6 +94,9 @@ class _Item:
         self.base = base
         self.extras = extras
         self.verify = verify
+        #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
+        #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
+        self.sink: torch.Tensor | None = None
         self.target: torch.Tensor | None = None
         self.dest: torch.Tensor | None = None
         self.direct = False
@@ -264,8 +267,10 @@ class LoadRun:
         return check
 
     # -- coalesced items --------------------------------------------------
-    def plan_item(self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str) -> _Item:
-        """The segments an item needs (no destination yet)."""
+    def plan_item(
+        self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str, sink: torch.Tensor | None = None
+    ) -> _Item:
+        """The segments an item needs (no destination yet); with a ``sink``, the whole stored chunk's."""
         found = self.chunks.lookup(req.storage_index)
         if found is None:
             raise CorruptCheckpointError(
@@ -276,7 +281,8 @@ class LoadRun:
         verify = self.transfer.verify_checksums and extras.block_size > 0
         item = _Item(req, what, key, info.offset + extras.raw_offset, extras, verify)
         item.shape, item.dtype = shape, dtype
-        item.lengths = tuple(req.lengths)
+        item.sink = sink
+        item.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
         elem = torch._utils._element_size(dtype)
         if item.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
             nbytes = elem
@@ -305,13 +311,16 @@ class LoadRun:
         No torch op runs here for a direct destination (see :mod:`.tensorbytes`):
         the transfer threads are busy while later items are prepared.
         """
-        target = self.planner.resolve_tensor(item.req)
-        direct = (
-            target.device.type == "cpu"
-            and target.dtype == item.dtype
-            and target.is_contiguous()
-            and tuple(target.shape) == item.lengths
-        )
+        if item.sink is not None:
+            target, direct = item.sink, True
+        else:
+            target = self.planner.resolve_tensor(item.req)
+            direct = (
+                target.device.type == "cpu"
+                and target.dtype == item.dtype
+                and target.is_contiguous()
+                and tuple(target.shape) == item.lengths
+            )
         if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
             target = target.detach()
         spans = item.spans
@@ -349,20 +358,24 @@ class LoadRun:
 
     def _finish_item(self, item: _Item) -> None:
         assert item.target is not None
-        commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
+        if item.sink is None:
+            commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
         self.engine.budget.release(item.lease)
         item.target = item.dest = None
         item.fills = []
 
-    def read_object(self, key: str, url: str, entries: Iterable[tuple[ReadItem, Any, ItemExtras, str]]) -> None:
-        """Read the items of object ``key`` (``(req, info, extras, what)``, sorted by offset) with coalesced
-        requests; the first requests go out while later items are still being planned."""
+    def read_object(
+        self, key: str, url: str, entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]]
+    ) -> None:
+        """Read the items of object ``key`` (``(req, info, extras, what, sink)``, sorted by offset) with
+        coalesced requests; the first requests go out while later items are still being planned. An item
+        with a ``sink`` lands its whole stored chunk there and is not committed."""
         owners: list[_Item] = []
         block_of = self.transfer.verify_checksums
 
         def segments() -> Iterator[Segment]:
-            for req, info, extras, what in entries:
-                item = self.plan_item(req, key, info, extras, what)
+            for req, info, extras, what, sink in entries:
+                item = self.plan_item(req, key, info, extras, what, sink)
                 if not item.spans:  # nothing to read (an empty box)
                     self._prepare(item)
                     self._finish_item(item)
@@ -398,6 +411,7 @@ class LoadRun:
         """Return the discard buffer's lease (after :meth:`drain`)."""
         self.engine.budget.release(self._reserved)
         self._reserved = 0
+        self._discard = memoryview(bytearray(0))
 
     def _add(self, item: _Item, start: int, end: int) -> None:
         outs = self._b_outs

@@ -291,7 +291,7 @@ class CloudReader(CloudBase, StorageReader):
             elif extras is None or extras.raw_offset is None:
                 run.start_whole(req, key, info, None, what)
             else:
-                coalesced.append((req, info, extras, what))
+                coalesced.append((req, info, extras, what, None))
         for key, (url, entries) in by_key.items():
             if entries:
                 run.read_object(key, url, entries)

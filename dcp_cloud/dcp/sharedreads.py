@@ -9,8 +9,11 @@ rounds in order, the same on every rank:
 1. the owner lands its fetch of the round's records, checksums verified as
    usual, and starts fetching the next round's. For a tensor whose extras
    place its raw bytes (anything dcp_cloud wrote uncompressed) only those
-   bytes are fetched and moved, not the torch.save framing; bytes items,
-   compressed items and tensors written by stock torch move whole;
+   bytes are fetched and moved, not the torch.save framing, and the raw
+   bytes of neighbouring records of one object coalesce into few ranged
+   GETs, exactly as a rank's own reads do (the schedule gives an owner runs
+   of neighbours); bytes items, compressed items and tensors written by
+   stock torch move whole, one GET each;
 2. one small all-reduce (MAX) of every rank's failure flag and of the
    owners' choice per record (raw bytes or whole item); only if some rank
    failed (a store error, a checksum mismatch, anything) does an all-gather
@@ -48,7 +51,6 @@ from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun, commit, commit_whole
 from .metashare import portable
-from .tensorbytes import tensor_bytes
 
 __all__ = ["SharedReadError", "run_exchange"]
 
@@ -72,7 +74,7 @@ class _Slot:
     the whole stored item moves, in ``whole`` (host bytes, as stored).
     """
 
-    __slots__ = ("buf", "direct", "dtype", "host", "nbytes", "raw", "shape", "targets", "whole")
+    __slots__ = ("buf", "direct", "dtype", "nbytes", "raw", "shape", "targets", "whole")
 
     def __init__(self) -> None:
         self.raw = False
@@ -83,20 +85,30 @@ class _Slot:
         #: ``(info, req, what, target)`` of this rank's items that want the record (raw only).
         self.targets: list[tuple[Any, ReadItem, str, torch.Tensor]] = []
         self.direct = False
-        #: Host bytes the owner reads into when ``buf`` is not host memory.
-        self.host: bytearray | None = None
         self.whole: bytearray | None = None
 
 
 @dataclass
 class _Fetch:
-    """The owner's reads of one round in flight."""
+    """The owner's reads of one round in flight: raw tensor bytes as the run's coalesced requests (landed
+    by draining it), whole items one request each."""
 
-    reads: list[tuple[SharedRecord, _Slot, list[Any], Callable[[], None], str]] = field(default_factory=list)
+    run: LoadRun
+    reads: list[tuple[list[Any], Callable[[], None], str]] = field(default_factory=list)
+    #: Copies from host memory into the group's device, once the raw reads have landed (NCCL).
+    uploads: list[Callable[[], None]] = field(default_factory=list)
 
     def wait(self) -> None:
         failure: BaseException | None = None
-        for _rec, _slot, futures, after, what in self.reads:
+        try:
+            self.run.drain()
+            for upload in self.uploads:
+                upload()
+        except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
+            failure = exc
+            self.run.abandon()
+            self.run.pending.clear()
+        for futures, after, what in self.reads:
             try:
                 for fut in futures:
                     fut.result()
@@ -109,7 +121,9 @@ class _Fetch:
             raise failure
 
     def abandon(self) -> None:
-        for _, _, futures, _, _ in self.reads:
+        self.run.abandon()
+        self.run.pending.clear()
+        for futures, _, _ in self.reads:
             for fut in futures:
                 fut.exception()
 
@@ -182,8 +196,11 @@ class Exchange:
 
     # -- steps ------------------------------------------------------------
     def _start(self, rnd: tuple[SharedRecord, ...]) -> _Fetch:
-        """Start the reads of the records this rank owns in ``rnd``."""
-        fetch = _Fetch()
+        """Start the reads of the records this rank owns in ``rnd``: the raw tensor bytes of neighbouring
+        records of an object coalesce into few ranged GETs (as a rank's own reads do)."""
+        run = self.run
+        fetch = _Fetch(run)
+        raw: dict[str, list[tuple[int, ReadItem, Any, ItemExtras, str, torch.Tensor]]] = {}
         for rec in rnd:
             if rec.owner != self.rank:
                 continue
@@ -192,8 +209,24 @@ class Exchange:
             extras = self.extras_of(key, info, what)
             slot = self._owner_slot(rec, info, req, extras)
             self.owned[rec.key] = slot
-            futures, after = self._read(key, info, extras, what, slot)
-            fetch.reads.append((rec, slot, futures, after, what))
+            if not slot.raw:
+                futures, after = self._read_whole(key, info, extras, what, slot)
+                fetch.reads.append((futures, after, what))
+                continue
+            assert extras is not None and slot.buf is not None
+            sink = slot.buf
+            if sink.device.type != "cpu":  # read into host memory, then copy to the device
+                host = torch.empty(slot.nbytes, dtype=torch.uint8)
+                fetch.uploads.append(lambda buf=sink, host=host: buf.copy_(host))
+                sink = host
+            raw.setdefault(key, []).append((info.offset, req, info, extras, what, sink))
+        try:
+            for key, entries in raw.items():
+                entries.sort(key=lambda e: e[0])
+                run.read_object(key, run.engine.store.url(key), (e[1:] for e in entries))
+        except BaseException:
+            fetch.abandon()  # let what went out end before the failure is reported
+            raise
         return fetch
 
     def _owner_slot(self, rec: SharedRecord, info: Any, req: ReadItem, extras: ItemExtras | None) -> _Slot:
@@ -239,34 +272,13 @@ class Exchange:
             slot.buf = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
         return slot
 
-    def _read(
+    def _read_whole(
         self, key: str, info: Any, extras: ItemExtras | None, what: str, slot: _Slot
     ) -> tuple[list[Any], Callable[[], None]]:
-        """Read one shared record (raw tensor bytes or the whole item), checked as the per-rank path checks it."""
+        """Read one whole stored item (bytes, compressed, stock-written), checked as the per-rank path does."""
         run = self.run
         engine = run.engine
         verify = run.transfer.verify_checksums and extras is not None and extras.block_size > 0
-        if slot.raw:
-            assert extras is not None and extras.raw_offset is not None and slot.buf is not None
-            base = info.offset + extras.raw_offset
-            if slot.nbytes == 0:
-                return [], _nothing
-            after: Callable[[], None] = _nothing
-            if slot.buf.device.type == "cpu":
-                view = tensor_bytes(slot.buf)
-            else:
-                slot.host = bytearray(slot.nbytes)
-                view = memoryview(slot.host)
-                buf, host = slot.buf, slot.host
-
-                def after() -> None:
-                    buf.copy_(torch.frombuffer(host, dtype=torch.uint8))
-
-            if verify:
-                assert extras is not None
-                check = run._whole_checker(key, base, extras, what)
-                return engine.read(key, base, [view], align=extras.block_size, check=check), after
-            return engine.read(key, base, [view]), after
         buf = slot.whole
         assert buf is not None
         descs = transform_descriptors(info)

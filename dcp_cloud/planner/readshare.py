@@ -10,10 +10,12 @@ among them: the owner fetches it and sends it to the others over the process
 group (see :mod:`dcp_cloud.dcp.sharedreads`).
 
 Owners are balanced by bytes, the mirror of the save side's
-:func:`~dcp_cloud.planner.save.balance_replicated`: largest record first, to
-the wanting rank with the fewest bytes to fetch so far (its own unshared
-reads counted), ties to the lower rank. Everything is deterministic, so
-every rank can follow the same schedule of exchanges.
+:func:`~dcp_cloud.planner.save.balance_replicated`, counting each rank's own
+unshared reads, and chosen for locality: the records that the same ranks
+want, in object and offset order, are cut into one consecutive run per rank,
+so an owner's records are neighbours in few objects and its fetch coalesces
+into few ranged GETs (see :func:`_contiguous_owners`). Everything is
+deterministic, so every rank can follow the same schedule of exchanges.
 
 A record is shared only when the ranks want more of it, together, than
 :data:`SHARE_FACTOR` times its size: a resharding load in which two ranks
@@ -83,23 +85,64 @@ def plan_sharing(
         for key, nbytes in items:
             per_rank = wanted.setdefault(key, {})
             per_rank[rank] = per_rank.get(rank, 0) + nbytes
-    shared: list[tuple[RecordKey, tuple[int, ...]]] = []
+    groups: dict[tuple[int, ...], list[RecordKey]] = {}
     load = [0] * world
     for key, per_rank in wanted.items():
         if len(per_rank) >= 2 and sum(per_rank.values()) > factor * key[2]:
-            shared.append((key, tuple(sorted(per_rank))))
+            groups.setdefault(tuple(sorted(per_rank)), []).append(key)
         else:
             for rank in per_rank:
                 load[rank] += min(per_rank[rank], key[2])
-    if not shared:
+    if not groups:
         return None
     owners: dict[RecordKey, int] = {}
-    for key, ranks in sorted(shared, key=lambda s: (-s[0][2], s[0])):
-        owner = min(ranks, key=lambda r: (load[r], r))
-        owners[key] = owner
-        load[owner] += key[2]
-    records = [SharedRecord(key, owners[key], ranks) for key, ranks in sorted(shared)]
+    # the largest group first, so that smaller ones even out what it left uneven
+    for ranks, keys in sorted(groups.items(), key=lambda g: (-sum(k[2] for k in g[1]), g[0])):
+        keys.sort()
+        for key, owner in zip(keys, _contiguous_owners(keys, ranks, load), strict=True):
+            owners[key] = owner
+            load[owner] += key[2]
+    # rounds interleave the owners: each takes the next stretch of every owner's run, so all owners fetch
+    # at once in every round
+    fetched = [0] * world
+    order = []
+    for key in sorted(owners):
+        owner = owners[key]
+        order.append((fetched[owner], owner, key))
+        fetched[owner] += key[2]
+    order.sort()
+    by_key = {key: ranks for ranks, keys in groups.items() for key in keys}
+    records = [SharedRecord(key, owner, by_key[key]) for _, owner, key in order]
     return ShareSchedule(_rounds(records, max(1, round_bytes)), world)
+
+
+def _contiguous_owners(keys: list[RecordKey], ranks: tuple[int, ...], load: list[int]) -> list[int]:
+    """The owner of each of ``keys`` (sorted by object and offset), wanted by ``ranks``: consecutive runs
+    of records go to one rank each, sized to even out the ranks' bytes (``load``: what each fetches
+    already). Neighbouring records of an object then share an owner, whose fetch of them coalesces into
+    few requests; the runs' sizes are within one record of the even split."""
+    total = sum(k[2] for k in keys)
+    # water-filling: the level every rank of the group ends at, or above where it already was
+    levels = sorted(load[r] for r in ranks)
+    level, rest = float(levels[0]), float(total)
+    for i, nxt in enumerate([*levels[1:], None]):
+        width = i + 1
+        if nxt is None or (nxt - level) * width >= rest:
+            level += rest / width
+            break
+        rest -= (nxt - level) * width
+        level = float(nxt)
+    quotas = [(r, max(0.0, level - load[r])) for r in ranks]
+    out: list[int] = []
+    k = 0
+    for i, (rank, quota) in enumerate(quotas):
+        last = i == len(quotas) - 1
+        taken = 0
+        while k < len(keys) and (last or taken + keys[k][2] / 2 <= quota):
+            out.append(rank)
+            taken += keys[k][2]
+            k += 1
+    return out
 
 
 def _rounds(records: list[SharedRecord], limit: int) -> tuple[tuple[SharedRecord, ...], ...]:
