@@ -7,6 +7,7 @@ memory is the budget, whatever the shard size.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,23 +62,28 @@ class BufferPool:
 
     Reuse avoids faulting in fresh pages for every part; buffers beyond
     ``keep`` are dropped on release so an idle pool holds little memory.
+    A fresh buffer is an anonymous mapping, so only the pages written become
+    resident: a part buffer that holds a few KiB of headers before the
+    tensor bytes that follow them go out in place (see
+    :meth:`~dcp_cloud.transfer.upload.ObjectWriter.write_view`) costs those
+    pages, not ``size`` bytes (``bytearray(size)`` zero-fills them all).
     """
 
     def __init__(self, budget: ByteBudget, size: int, keep: int) -> None:
         self.budget = budget
         self.size = size
         self._keep = keep
-        self._free: list[bytearray] = []
+        self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    def get(self) -> bytearray:
+    def get(self) -> mmap.mmap:
         self.budget.acquire(self.size)
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return bytearray(self.size)
+        return mmap.mmap(-1, self.size)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: mmap.mmap) -> None:
         with self._lock:
             if len(self._free) < self._keep:
                 self._free.append(buf)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -51,11 +52,11 @@ class ObjectWriter(io.RawIOBase):
         self._part_size = part_size
         self._create_only = create_only
         # The pending part: ``_pieces`` (``_piece_bytes`` long), then ``_buf[:_fill]``.
-        self._buf: bytearray | None = None
+        self._buf: mmap.mmap | None = None
         self._fill = 0
         self._pieces: list[Buffer] = []
         self._piece_bytes = 0
-        self._leases: list[bytearray] = []  # pool buffers the pending pieces point into
+        self._leases: list[mmap.mmap] = []  # pool buffers the pending pieces point into
         self._owners: list[Any] = []  # what keeps borrowed pieces alive
         self._pos = 0
         self._upload_id: str | None = None
@@ -136,7 +137,7 @@ class ObjectWriter(io.RawIOBase):
         self._piece_bytes += self._fill
         self._fill = 0
 
-    def _take_pending(self) -> tuple[list[Buffer], list[bytearray], list[Any], int]:
+    def _take_pending(self) -> tuple[list[Buffer], list[mmap.mmap], list[Any], int]:
         self._seal_copied()
         taken = (self._pieces, self._leases, self._owners, self._piece_bytes)
         self._pieces, self._leases, self._owners, self._piece_bytes = [], [], [], 0
@@ -148,7 +149,7 @@ class ObjectWriter(io.RawIOBase):
             self._buf = None
             self._fill = 0
 
-    def _release(self, leases: list[bytearray]) -> None:
+    def _release(self, leases: list[mmap.mmap]) -> None:
         for buf in leases:
             self._pool.put(buf)
 
@@ -172,7 +173,7 @@ class ObjectWriter(io.RawIOBase):
         self._parts.append(fut)
 
     def _upload_part(
-        self, number: int, pieces: list[Buffer], leases: list[bytearray], owners: list[Any], size: int
+        self, number: int, pieces: list[Buffer], leases: list[mmap.mmap], owners: list[Any], size: int
     ) -> PartInfo:
         """Send one part (a worker thread). ``owners`` is only held: it keeps the memory
         of borrowed pieces alive until the part is sent."""
