@@ -25,7 +25,6 @@ bounded buffers.
 from __future__ import annotations
 
 import bisect
-import io
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,9 +35,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, DcpCloudError
@@ -46,7 +44,7 @@ from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
-from .compression import decode
+from .commit import commit, commit_whole
 from .layout import ItemExtras
 from .readplan import FRAMING_GAP, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
@@ -474,33 +472,3 @@ class LoadRun:
             self.recorder.on_retry("read", ChecksumMismatchError(what))
             self.engine.store.read_into(key, base + start, slice_pieces(pieces, start, end))
         verify_blocks(pieces, *args, describe=what, base_offset=base)
-
-
-def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
-    """Copy ``value`` into ``target`` (unless it was read in place) and hand it to the planner."""
-    if value is not None:
-        if tuple(target.shape) != tuple(value.shape):
-            raise CorruptCheckpointError(
-                f"{what}: stored region has shape {tuple(value.shape)} but the state dict expects {tuple(target.shape)}"
-            )
-        target.copy_(value)
-    planner.commit_tensor(req, target)
-
-
-def commit_whole(
-    planner: LoadPlanner, req: ReadItem, info: Any, buf: bytearray, transforms: Sequence[str] | None, what: str
-) -> None:
-    """Hand a whole stored item (``buf``, as stored) to the planner: bytes items as they are, tensors
-    unpickled and narrowed to the requested region."""
-    data = decode(transforms, buf, what) if transforms else buf
-    if req.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(req, io.BytesIO(data))
-        return
-    try:
-        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # any failure means unreadable bytes
-        raise CorruptCheckpointError(
-            f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
-        ) from exc
-    target = planner.resolve_tensor(req).detach()
-    commit(planner, req, target, narrow_tensor_by_index(saved, req.storage_offsets, req.lengths), what)

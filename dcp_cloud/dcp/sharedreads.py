@@ -47,9 +47,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..planner.readshare import RecordKey, SharedRecord, ShareSchedule
+from .commit import commit, commit_whole
 from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
-from .loadrun import LoadRun, commit, commit_whole
+from .loadrun import LoadRun
 from .metashare import portable
 
 __all__ = ["SharedReadError", "run_exchange"]
