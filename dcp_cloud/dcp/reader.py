@@ -48,7 +48,7 @@ from .footer import fetch_all
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import ChunkIndex, LoadRun
 from .metashare import broadcast_bytes, sharing_group
-from .sharedreads import run_exchange
+from .sharedreads import Exchange
 
 
 class CloudReader(CloudBase, StorageReader):
@@ -267,7 +267,7 @@ class CloudReader(CloudBase, StorageReader):
         def extras(key: str, info: Any, what: str) -> ItemExtras | None:
             return self._extras(footers, key, info, what)
 
-        run_exchange(group, schedule, run, mine, extras, self.uri.key, error)
+        Exchange(group, schedule, run, mine, extras, self.uri.key).run_all(error)
 
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
         """Start whole-item reads, then the coalesced reads of every object."""

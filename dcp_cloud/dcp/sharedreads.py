@@ -53,7 +53,7 @@ from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun
 from .metashare import portable
 
-__all__ = ["SharedReadError", "run_exchange"]
+__all__ = ["Exchange", "SharedReadError"]
 
 
 class SharedReadError(StoreError):
@@ -155,6 +155,8 @@ class Exchange:
         self.owned: dict[RecordKey, _Slot] = {}
 
     def run_all(self, error: BaseException | None) -> None:
+        """Follow the schedule on this rank; ``error``: what this rank's own reads raised (carried to every
+        rank at the first status exchange)."""
         rounds = self.schedule.rounds
         fetch: _Fetch | None = None
         if error is None:
@@ -427,19 +429,6 @@ class Exchange:
                     self.planner, req, target, narrow_tensor_by_index(stored, req.storage_offsets, req.lengths), what
                 )
             slot.buf = None
-
-
-def run_exchange(
-    group: Any,
-    schedule: ShareSchedule,
-    run: LoadRun,
-    mine: dict[RecordKey, list[tuple[Any, ReadItem, str]]],
-    extras_of: Callable[[str, Any, str], ItemExtras | None],
-    key_of: Callable[[str], str],
-    error: BaseException | None,
-) -> None:
-    """Follow ``schedule`` on this rank; ``error``: what this rank's own reads raised (carried to every rank)."""
-    Exchange(group, schedule, run, mine, extras_of, key_of).run_all(error)
 
 
 def _nothing() -> None:
