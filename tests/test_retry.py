@@ -550,3 +550,23 @@ def test_verified_reads_split_at_block_boundaries_for_any_read_chunk_size(chunk:
     dcp_cloud.load(target, storage_reader=reader)
     _bits_equal(target, _state())
     assert reader.stats.retries == 0
+
+
+def test_a_create_whose_answer_was_lost_leaves_no_stray_upload() -> None:
+    """The lost attempt started an upload the caller never hears of: the wrapper aborts it, and only it."""
+    mem = MemoryStore()
+    other = mem.create_multipart("ckpt/other.distcp")  # another key's upload is left alone
+    faulty = FaultyStore(mem, StoreFaultPlan(lost_answer=1.0, ops=frozenset({"create_multipart"}), max_faults=2))
+    store = RetryingStore(faulty, FAST_RETRY, RetryHooks(sleep=lambda s: None))
+    upload_id = store.create_multipart("ckpt/__0_x.distcp")
+    assert faulty.counts()[0]["create_multipart"] == 3  # two lost answers, then one heard
+    pending = {(u.key, u.upload_id) for u in mem.list_multipart("ckpt/")}
+    assert pending == {("ckpt/__0_x.distcp", upload_id), ("ckpt/other.distcp", other)}
+
+
+def test_a_create_heard_at_once_costs_no_list() -> None:
+    mem = MemoryStore()
+    faulty = FaultyStore(mem)
+    store = RetryingStore(faulty, FAST_RETRY, RetryHooks(sleep=lambda s: None))
+    store.create_multipart("ckpt/__0_x.distcp")
+    assert faulty.counts()[0] == {"create_multipart": 1}

@@ -13,11 +13,16 @@ Every call the wrapper makes is idempotent or made safe by its caller:
 ``put``/``put_part`` rewrite the same bytes; a create-only ``put`` or
 ``complete_multipart`` that fails with a precondition error *after* a retry
 may have succeeded on the lost attempt, so the error carries
-``after_retry=True`` and the caller checks what is stored.
+``after_retry=True`` and the caller checks what is stored. A
+``create_multipart`` that needed a retry may have started an upload on the
+lost attempt too: the wrapper then aborts the key's other pending uploads
+(shard keys are unique per save, so they can only be such strays; one list
+request, only after a retry).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -31,6 +36,7 @@ from .ratelimit import AdaptiveRateLimit, process_limit
 from .wrapper import StoreWrapper
 
 T = TypeVar("T")
+log = logging.getLogger("dcp_cloud")
 
 
 @dataclass
@@ -99,3 +105,26 @@ class RetryingStore(StoreWrapper):
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         return call_with_retry(op, fn, self.config, self.hooks)
+
+    def create_multipart(self, key: str) -> str:
+        attempts = 0
+
+        def once() -> str:
+            nonlocal attempts
+            attempts += 1
+            return self.inner.create_multipart(key)
+
+        upload_id = self._call("create_multipart", once)
+        if attempts > 1:
+            self._abort_strays(key, upload_id)
+        return upload_id
+
+    def _abort_strays(self, key: str, upload_id: str) -> None:
+        """Abort the uploads of ``key`` other than ``upload_id`` (started by attempts whose answer was lost).
+        Best effort: what stays is found by dcp_cloud.gc."""
+        try:
+            for pending in self.list_multipart(key):
+                if pending.key == key and pending.upload_id != upload_id:
+                    self.abort_multipart(key, pending.upload_id)
+        except DcpCloudError as exc:
+            log.warning("could not abort stray uploads of %s: %s", self.url(key), exc)
