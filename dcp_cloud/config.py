@@ -45,8 +45,21 @@ class TransferConfig:
     max_inflight_parts: int = 8
     #: Worker threads issuing requests (uploads and ranged reads).
     concurrency: int = 8
-    #: Objects smaller than this are written with one PUT instead of multipart.
-    multipart_threshold: int = 16 * MiB
+    #: Objects smaller than this are written with one PUT instead of
+    #: multipart: a stream holds its first parts until it knows the object's
+    #: size. Borrowed tensor bytes cost nothing to hold; copied bytes are
+    #: leased from the memory budget, so the threshold in effect is at most
+    #: the budget less one part (and never below ``part_size``). One PUT
+    #: saves the create and complete round trips, and the server's work of
+    #: joining parts. 100 MiB is where AWS advises multipart uploads.
+    multipart_threshold: int = 100 * MiB
+    #: A rank's save is spread over up to this many objects, written in
+    #: parallel: one per ``part_size`` of its bytes, at most this many, so
+    #: objects smaller than ``multipart_threshold`` each go up in one PUT
+    #: with as many connections busy as multipart parts would keep. Stock
+    #: ``FileSystemWriter`` likewise writes ``thread_count`` files per rank.
+    #: ``1``: one object per rank.
+    max_objects_per_rank: int = 8
     #: Ranged reads are split into pieces of at most this size, read in parallel.
     read_chunk_size: int = 16 * MiB
     #: Two wanted ranges (of one item or of neighbouring items) closer than
@@ -78,6 +91,9 @@ class TransferConfig:
         _require(self.max_inflight_parts >= 1, f"max_inflight_parts must be >= 1, got {self.max_inflight_parts}")
         _require(self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}")
         _require(self.multipart_threshold >= 1, f"multipart_threshold must be >= 1, got {self.multipart_threshold}")
+        _require(
+            self.max_objects_per_rank >= 1, f"max_objects_per_rank must be >= 1, got {self.max_objects_per_rank}"
+        )
         _require(self.read_chunk_size >= 4096, f"read_chunk_size must be >= 4096, got {self.read_chunk_size}")
         _require(self.coalesce_gap >= 0, f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
         _require(
@@ -94,6 +110,11 @@ class TransferConfig:
     def memory_budget(self) -> int:
         """Bytes of part/scratch buffers one process may hold at once."""
         return self.part_size * self.max_inflight_parts
+
+    def single_put_limit(self, part_size: int) -> int:
+        """Objects smaller than this go up in one PUT (``multipart_threshold`` within the memory budget),
+        for a stream of ``part_size`` parts."""
+        return max(part_size, min(self.multipart_threshold, self.memory_budget - part_size))
 
 
 @dataclass(frozen=True)

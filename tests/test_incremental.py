@@ -241,8 +241,9 @@ from dcp_cloud import S3Writer, TransferConfig
 root, endpoint = sys.argv[1], sys.argv[2]
 state = {"frozen": torch.arange(1 << 20, dtype=torch.float32)}
 state.update({f"moving.{i}": torch.full((1 << 20,), float(i + 2)) for i in range(6)})
+# one object, in multipart (not several single PUTs): the kill must leave an upload for gc to abort
 writer = S3Writer(root + "/step-2", base=root + "/step-1", endpoint_url=endpoint,
-                  transfer=TransferConfig(part_size=5 << 20))
+                  transfer=TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20, max_objects_per_rank=1))
 dcp.save(state, storage_writer=writer)
 """
 

@@ -2,10 +2,12 @@
 
 A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
 
-* ``<prefix>/__<rank>_<token>.distcp`` -- one object per rank and save; each
-  item in it is what ``torch.save`` writes for the item (so the stock
-  ``FileSystemReader`` can ``torch.load`` it). ``<token>`` is unique per save,
-  so an overwrite never rewrites an object that committed metadata points at.
+* ``<prefix>/__<rank>_<token>.distcp`` -- a rank's object, and
+  ``__<rank>_<token>-<i>.distcp`` its further ones when its save is spread
+  over several (see :mod:`dcp_cloud.dcp.stripes`); each item in one is what
+  ``torch.save`` writes for the item (so the stock ``FileSystemReader`` can
+  ``torch.load`` it). ``<token>`` is unique per save, so an overwrite never
+  rewrites an object that committed metadata points at.
 * ``<prefix>/.metadata`` -- the pickled ``Metadata``, written last and
   create-only: its presence *is* the commit.
 
@@ -48,7 +50,7 @@ EXTRA_VERSION = 1
 META_ATTR = "dcp_cloud"
 #: Format of checkpoints whose per-item extras are in object footers.
 FOOTER_FORMAT = 2
-#: Attribute on one write result of each rank that carries its object's footer place to ``finish``
+#: Attribute on the first write result of each object that carries the object's footer place to ``finish``
 #: (removed before the metadata is written).
 FOOTER_RESULT_ATTR = "_dcp_cloud_footer"
 

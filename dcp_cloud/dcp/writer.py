@@ -3,9 +3,9 @@
 Call order (torch's contract): ``reset`` (when a checkpoint_id is passed) ->
 ``set_up_storage_writer`` -> ``prepare_local_plan`` -> (coordinator)
 ``prepare_global_plan`` -> ``write_data`` on every rank -> (coordinator)
-``finish``. Each rank streams all its items into one object through the
-transfer engine; the coordinator commits by writing ``.metadata`` last,
-create-only.
+``finish``. Each rank streams its items through the transfer engine into one
+object, or a few written in parallel (see .stripes); the coordinator commits
+by writing ``.metadata`` last, create-only.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from .layout import (
 from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
+from .stripes import Committer, split_runs, stripe_count, stripe_name
 from .tensorbytes import tensor_bytes
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
@@ -288,29 +289,33 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         # torch.save's storage alignment, read once per save (a process setting that framing depends on)
         self._alignment = framing.storage_alignment() if items else 0
         if items:
-            key = self.uri.key(shard.name)
-            size_hint = sum(_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items)
-            with self._engine() as engine:
-                stream = open_writer(engine, key, size_hint)
-                try:
+            sizes = [_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
+            count = stripe_count(sum(sizes), self.transfer.part_size, self.transfer.max_objects_per_rank)
+            runs = split_runs(sizes, count)
+            with self._engine() as engine, Committer(len(runs)) as committer:
+                for index, run in enumerate(runs):
+                    name = stripe_name(shard.name, index)
+                    key = self.uri.key(name)
+                    stream = committer.track(open_writer(engine, key, sum(sizes[i] for i in run)))
+                    first = len(results)
                     entries: list[FooterEntry] = []
-                    for item in items:
+                    for i in run:
+                        item = items[i]
                         data, digest = resolved.pop(item.index, (None, None))
-                        result, entry = self._write_item(stream, shard.name, item, planner, data)
+                        result, entry = self._write_item(stream, name, item, planner, data)
                         results.append(incremental.tag(result, digest))
                         entries.append(entry)
-                    # The index footer after the last item; its place travels to finish() on one result.
+                    # The index footer after the object's last item; its place travels to finish() on the
+                    # object's first result.
                     footer = encode_footer(entries)
-                    setattr(results[0].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
+                    setattr(results[first].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
                     stream.write(footer)
-                    stream.commit()
-                except BaseException:
-                    stream.abort()
-                    raise
+                    committer.commit(stream)
+                committer.wait()
                 peak = engine.budget.peak
         else:
             peak = 0
-        results.extend(unchanged)  # after the written ones: results[0] carries the footer place
+        results.extend(unchanged)
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
         written = sum(r.size_in_bytes for r in results)
@@ -395,13 +400,12 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         storage = {}
         footers: dict[str, tuple[int, int]] = {}
         for rank_results in results:
-            if rank_results:
-                info = rank_results[0].storage_data
-                place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
-                if place is not None:
-                    footers[info.relative_path] = place
             for wr in rank_results:
-                storage[wr.index] = wr.storage_data
+                info = wr.storage_data
+                storage[wr.index] = info
+                place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
+                if place is not None:  # on the first result of each object (see stripes)
+                    footers[info.relative_path] = place
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         digests, referenced = incremental.collect(results, self._base_footers)

@@ -11,9 +11,12 @@ it). Two kinds of write build the parts:
 
 Each full part is uploaded by a worker thread while the caller keeps
 writing; the caller blocks when ``max_inflight_parts`` parts are in flight
-or the byte budget is spent. Small objects become one PUT. Any failure aborts
-the multipart upload, so nothing half-written is left behind by a live
-process.
+or the byte budget is spent. An object smaller than
+``TransferConfig.multipart_threshold`` becomes one PUT: its first full parts
+are held (borrowed pieces cost nothing; copied ones keep their leased
+buffers) until either the object ends, or it outgrows the threshold and the
+held parts start the multipart upload. Any failure aborts the multipart
+upload, so nothing half-written is left behind by a live process.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class ObjectWriter(io.RawIOBase):
         self._owners: list[Any] = []  # what keeps borrowed pieces alive
         self._pos = 0
         self._upload_id: str | None = None
+        #: Full parts held back while the object may still go up in one PUT (see the module docstring).
+        self._single_limit = engine.config.single_put_limit(part_size)
+        self._held: list[tuple[list[Buffer], list[mmap.mmap], list[Any], int]] = []
+        self._held_bytes = 0
         self._parts: list[Future[PartInfo]] = []
         self._window = threading.Semaphore(max(1, engine.config.max_inflight_parts))
         self._error: BaseException | None = None
@@ -154,7 +161,25 @@ class ObjectWriter(io.RawIOBase):
             self._pool.put(buf)
 
     def _send_part(self) -> None:
-        pieces, leases, owners, size = self._take_pending()
+        part = self._take_pending()
+        self._held.append(part)
+        self._held_bytes += part[3]
+        if self._upload_id is None and self._held_bytes < self._single_limit:
+            return  # the object may still be small enough for one PUT
+        self._send_held()
+
+    def _send_held(self) -> None:
+        """Start the multipart upload of every held part, in order."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        for i, (pieces, leases, owners, size) in enumerate(held):
+            try:
+                self._start_part(pieces, leases, owners, size)
+            except BaseException:
+                for _pieces, later, _owners, _size in held[i + 1 :]:
+                    self._release(later)
+                raise
+
+    def _start_part(self, pieces: list[Buffer], leases: list[mmap.mmap], owners: list[Any], size: int) -> None:
         try:
             if self._upload_id is None:
                 self._upload_id = self._store.create_multipart(self.key)
@@ -214,16 +239,21 @@ class ObjectWriter(io.RawIOBase):
 
     def _commit(self) -> ObjectInfo:
         self._raise_if_failed()
-        if self._upload_id is None:
+        pending = self._piece_bytes + self._fill
+        if self._upload_id is None and (not self._held or self._held_bytes + pending < self._single_limit):
             pieces, leases, _owners, size = self._take_pending()
+            held, self._held, self._held_bytes = self._held, [], 0
+            for h_pieces, h_leases, _h_owners, h_size in reversed(held):
+                pieces, leases, size = h_pieces + pieces, h_leases + leases, h_size + size
             try:
                 info = self._store.put(self.key, pieces, create_only=self._create_only)
                 self._engine.stats.add_written(size)
                 return info
             finally:
                 self._release(leases)
-        if self._piece_bytes or self._fill:
+        if pending:
             self._send_part()
+        self._send_held()
         parts = [f.result() for f in self._parts]
         try:
             info = self._store.complete_multipart(self.key, self._upload_id, parts, create_only=self._create_only)
@@ -260,6 +290,9 @@ class ObjectWriter(io.RawIOBase):
                 pass
         self._release(self._leases)
         self._pieces, self._leases, self._owners, self._piece_bytes = [], [], [], 0
+        for _pieces, leases, _owners, _size in self._held:
+            self._release(leases)
+        self._held, self._held_bytes = [], 0
         self._drop_buffer()
         if self._upload_id is not None:
             try:
