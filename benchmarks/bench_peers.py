@@ -158,9 +158,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots into this directory")
-    p.add_argument("--plot-with", nargs="*", default=[], metavar="JSON",
-                   help="results (--json) of earlier runs whose operations this run lacks, drawn in the same plots "
-                        "(e.g. a 1p run and a 4r run)")
+    p.add_argument(
+        "--plot-with",
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="results (--json) of earlier runs whose operations this run lacks, drawn in the same plots "
+        "(e.g. a 1p run and a 4r run)",
+    )
     p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
     p.add_argument("--profile", default=None,
                    help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip

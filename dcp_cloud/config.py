@@ -91,9 +91,7 @@ class TransferConfig:
         _require(self.max_inflight_parts >= 1, f"max_inflight_parts must be >= 1, got {self.max_inflight_parts}")
         _require(self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}")
         _require(self.multipart_threshold >= 1, f"multipart_threshold must be >= 1, got {self.multipart_threshold}")
-        _require(
-            self.max_objects_per_rank >= 1, f"max_objects_per_rank must be >= 1, got {self.max_objects_per_rank}"
-        )
+        _require(self.max_objects_per_rank >= 1, f"max_objects_per_rank must be >= 1, got {self.max_objects_per_rank}")
         _require(self.read_chunk_size >= 4096, f"read_chunk_size must be >= 4096, got {self.read_chunk_size}")
         _require(self.coalesce_gap >= 0, f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
         _require(

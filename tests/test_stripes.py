@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_cloud import LocalWriter
 from dcp_cloud.config import RetryConfig, TransferConfig
-from dcp_cloud.dcp.reader import CloudReader
 from dcp_cloud.dcp.layout import footer_table, is_shard_path, load_metadata, spread_dir
+from dcp_cloud.dcp.reader import CloudReader
 from dcp_cloud.dcp.stripes import split_runs, stripe_count, stripe_name
 from dcp_cloud.dcp.writer import CloudWriter
 from dcp_cloud.errors import DcpCloudError
@@ -29,6 +29,8 @@ from dcp_cloud.transfer.upload import open_writer
 
 KiB = 1024
 MiB = 1024 * KiB
+
+
 def _keys(store: MemoryStore) -> list[str]:
     return [info.key for info in store.list("")]
 
