@@ -124,6 +124,7 @@ def _write(store: CountingStore, key: str, pieces: list[tuple[str, int]]) -> byt
 def test_an_object_below_the_threshold_is_one_put_of_several_parts_worth() -> None:
     store = CountingStore()
     ops = [("copy", 100 * KiB), ("view", PART + 7), ("copy", 3 * KiB), ("view", 2 * PART), ("copy", 90 * KiB)]
+    # one part holds a copied buffer (the first 100 KiB); the rest is borrowed
     expected = _write(store, "small", ops)
     assert len(expected) > 3 * PART  # three full parts were held back
     assert store.calls == {"put": 1}
@@ -139,6 +140,15 @@ def test_an_object_that_outgrows_the_threshold_goes_multipart_in_order() -> None
     assert store.get("big") == expected
 
 
+def test_copied_parts_are_not_held_back_for_one_put() -> None:
+    """Copies (host copies of GPU tensors) go out as multipart parts at once instead of waiting in memory."""
+    store = CountingStore()
+    expected = _write(store, "copied", [("copy", 2 * PART + 9)])
+    assert len(expected) < 4 * PART  # below the threshold, yet multipart: two copied parts were full
+    assert store.calls == {"create_multipart": 1}
+    assert store.get("copied") == expected
+
+
 def test_the_threshold_never_exceeds_the_budget_less_one_part() -> None:
     tight = TransferConfig(part_size=PART, max_inflight_parts=2, multipart_threshold=64 * MiB)
     assert tight.single_put_limit(PART) == PART  # a copied object never needs more buffers than the budget
@@ -150,8 +160,8 @@ def test_abort_returns_held_buffers_to_the_budget() -> None:
     store = CountingStore()
     with TransferEngine(store, CONFIG, RETRY) as engine:
         writer = open_writer(engine, "dropped")
-        writer.write(bytes(2 * PART + 5))  # two full copied parts held, one partly filled
-        assert engine.budget.used == 3 * PART
+        writer.write(bytes(PART + 5))  # a full copied part held, one partly filled
+        assert engine.budget.used == 2 * PART
         writer.abort()
         assert engine.budget.used == 0
     assert store.calls == {}

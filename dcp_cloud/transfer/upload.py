@@ -13,9 +13,11 @@ Each full part is uploaded by a worker thread while the caller keeps
 writing; the caller blocks when ``max_inflight_parts`` parts are in flight
 or the byte budget is spent. An object smaller than
 ``TransferConfig.multipart_threshold`` becomes one PUT: its first full parts
-are held (borrowed pieces cost nothing; copied ones keep their leased
-buffers) until either the object ends, or it outgrows the threshold and the
-held parts start the multipart upload. Any failure aborts the multipart
+are held (borrowed pieces cost nothing to hold) until either the object
+ends, or it outgrows the threshold, or a second held part holds a copied
+buffer (host copies of GPU tensors, many small items): then the held parts
+start the multipart upload, so copied bytes never wait in memory and keep
+``max_inflight_parts`` connections busy as before. Any failure aborts the multipart
 upload, so nothing half-written is left behind by a live process.
 """
 
@@ -164,7 +166,8 @@ class ObjectWriter(io.RawIOBase):
         part = self._take_pending()
         self._held.append(part)
         self._held_bytes += part[3]
-        if self._upload_id is None and self._held_bytes < self._single_limit:
+        copied = sum(len(leases) for _pieces, leases, _owners, _size in self._held)
+        if self._upload_id is None and self._held_bytes < self._single_limit and copied <= 1:
             return  # the object may still be small enough for one PUT
         self._send_held()
 
