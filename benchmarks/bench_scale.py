@@ -300,7 +300,8 @@ def render(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.N
     )  # fmt: skip
     notes = (
         "\n\nrequests (data): dcp_cloud's ranged GETs (`read`) for loads (the `.metadata` GET excluded); for saves "
-        "CreateMultipartUpload + UploadPart + CompleteMultipartUpload + PUT (the PUT is the `.metadata` commit; "
+        "CreateMultipartUpload + UploadPart + CompleteMultipartUpload + PUT (shard objects sent whole, and the "
+        "`.metadata` commit; "
         "bucket check, HEAD and the cleanup call after completion excluded); stock: read / write calls on the "
         "`.distcp` file. load_weights loads only the `model` part of the checkpoint (a partial load); its "
         "'moved / state dict' is the bytes fetched over the bytes it loads."
