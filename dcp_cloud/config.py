@@ -47,11 +47,13 @@ class TransferConfig:
     concurrency: int = 8
     #: Objects smaller than this are written with one PUT instead of
     #: multipart: a stream holds its first parts until it knows the object's
-    #: size. Borrowed tensor bytes cost nothing to hold; copied bytes are
-    #: leased from the memory budget, so the threshold in effect is at most
-    #: the budget less one part (and never below ``part_size``). One PUT
-    #: saves the create and complete round trips, and the server's work of
-    #: joining parts. 100 MiB is where AWS advises multipart uploads.
+    #: size. Borrowed tensor bytes cost nothing to hold; a stream that would
+    #: hold a second copied part buffer goes multipart at once (see
+    #: transfer.upload). The threshold in effect is at most the memory budget
+    #: less one part and the store's largest part, and never below
+    #: ``part_size``. One PUT saves the create and complete round trips, and
+    #: the server's work of joining parts. 100 MiB is where AWS advises
+    #: multipart uploads.
     multipart_threshold: int = 100 * MiB
     #: A rank's save is spread over up to this many objects, written in
     #: parallel: one per ``part_size`` of its bytes, at most this many, so

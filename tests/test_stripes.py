@@ -22,6 +22,7 @@ from dcp_cloud.dcp.stripes import split_runs, stripe_count, stripe_name
 from dcp_cloud.dcp.writer import CloudWriter
 from dcp_cloud.errors import DcpCloudError
 from dcp_cloud.store.memory import MemoryStore
+from dcp_cloud.store.protocol import PartLimits
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan
 from dcp_cloud.transfer.engine import TransferEngine
@@ -82,8 +83,8 @@ def test_stripe_names_are_shard_names_spread_on_their_own() -> None:
 
 
 class CountingStore(MemoryStore):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, limits: PartLimits | None = None) -> None:
+        super().__init__(limits=limits)
         self.calls: dict[str, int] = {}
 
     def _count(self, op: str) -> None:
@@ -138,6 +139,13 @@ def test_an_object_that_outgrows_the_threshold_goes_multipart_in_order() -> None
     assert len(expected) >= 4 * PART
     assert store.calls == {"create_multipart": 1}
     assert store.get("big") == expected
+
+
+def test_one_put_is_never_larger_than_the_store_allows() -> None:
+    store = CountingStore(PartLimits(min_part_size=1, max_part_size=2 * PART, max_parts=10_000))
+    expected = _write(store, "capped", [("view", 3 * PART)])  # below the threshold, above the store's cap
+    assert store.calls == {"create_multipart": 1}
+    assert store.get("capped") == expected
 
 
 def test_copied_parts_are_not_held_back_for_one_put() -> None:

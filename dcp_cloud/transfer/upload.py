@@ -66,7 +66,9 @@ class ObjectWriter(io.RawIOBase):
         self._pos = 0
         self._upload_id: str | None = None
         #: Full parts held back while the object may still go up in one PUT (see the module docstring).
-        self._single_limit = engine.config.single_put_limit(part_size)
+        self._single_limit = min(
+            engine.config.single_put_limit(part_size), max(part_size, self._store.limits.max_part_size)
+        )
         self._held: list[tuple[list[Buffer], list[mmap.mmap], list[Any], int]] = []
         self._held_bytes = 0
         self._parts: list[Future[PartInfo]] = []
