@@ -20,11 +20,11 @@ from dcp_cloud.dcp.layout import footer_table, is_shard_path, load_metadata, spr
 from dcp_cloud.dcp.reader import CloudReader
 from dcp_cloud.dcp.stripes import split_runs, stripe_count, stripe_name
 from dcp_cloud.dcp.writer import CloudWriter
-from dcp_cloud.errors import DcpCloudError
+from dcp_cloud.errors import ChecksumMismatchError, DcpCloudError
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.protocol import PartLimits
 from dcp_cloud.testing.backends import StoreBackend
-from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan
+from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte
 from dcp_cloud.transfer.engine import TransferEngine
 from dcp_cloud.transfer.upload import open_writer
 
@@ -242,3 +242,29 @@ def test_a_failed_object_fails_the_save_and_leaves_nothing_uncommitted_behind(nt
     assert "ck/.metadata" not in _keys(inner)
     assert inner.list_multipart("ck/") == []  # nothing half-written: only whole, unreferenced objects
     assert len([k for k in _keys(inner) if k.endswith(".distcp")]) < 3
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_gc_keeps_every_object_of_a_committed_striped_checkpoint_and_verify_checks_them() -> None:
+    from dcp_cloud.maintenance.collect import gc
+    from dcp_cloud.maintenance.verification import verify
+
+    store = MemoryStore()
+    _roundtrip(store, TransferConfig(part_size=MiB, max_objects_per_rank=3))
+    before = _keys(store)
+    report = gc("memory://mem/", older_than=0.0, store=store)
+    assert not report.deleted_objects and _keys(store) == before
+    assert verify("memory://mem/ck", store=store).items_checked == 13
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_corrupted_byte_in_a_further_object_is_detected() -> None:
+    store = MemoryStore()
+    transfer = TransferConfig(part_size=MiB, max_objects_per_rank=3)
+    _roundtrip(store, transfer)
+    (further,) = [k for k in _keys(store) if k.endswith("-2.distcp")]
+    flip_byte(store, further, 4096)
+    out = {k: torch.zeros_like(v) for k, v in _state().items()}
+    reader = CloudReader("memory://bkt/ck", StoreBackend(store), transfer=transfer, retry=RETRY)
+    with pytest.raises((ChecksumMismatchError, CheckpointException), match="ChecksumMismatch|checksum"):
+        dcp.load(out, storage_reader=reader)
