@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from dcp_cloud.dcp.writer import CloudWriter
 from dcp_cloud.errors import ChecksumMismatchError, DcpCloudError
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.protocol import PartLimits
+from dcp_cloud.store.wrapper import StoreWrapper
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte
 from dcp_cloud.transfer.engine import TransferEngine
@@ -268,3 +270,37 @@ def test_a_corrupted_byte_in_a_further_object_is_detected() -> None:
     reader = CloudReader("memory://bkt/ck", StoreBackend(store), transfer=transfer, retry=RETRY)
     with pytest.raises((ChecksumMismatchError, CheckpointException), match="ChecksumMismatch|checksum"):
         dcp.load(out, storage_reader=reader)
+
+
+class _HeldFooter(StoreWrapper):
+    """Holds the footer read of one object until a data read of another object has begun (or 10 s passed)."""
+
+    def __init__(self, inner: MemoryStore, footers: dict[str, int], held: str) -> None:
+        super().__init__(inner)
+        self.footers, self.held = footers, held
+        self.other_data = threading.Event()
+        self.waited: bool | None = None
+
+    def read_into(self, key: str, start: int, outs: list[memoryview]) -> None:  # type: ignore[override]
+        if key == self.held and start == self.footers[key]:
+            self.waited = self.other_data.wait(10.0)
+        elif key != self.held and start != self.footers[key]:
+            self.other_data.set()
+        self.inner.read_into(key, start, outs)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_object_is_read_as_soon_as_its_own_footer_is_in() -> None:
+    store = MemoryStore()
+    transfer = TransferConfig(part_size=MiB, max_objects_per_rank=3)
+    metadata = _roundtrip(store, transfer)
+    table = footer_table(metadata)
+    assert table is not None
+    footers = {f"ck/{path}": int(place[0]) for path, place in table.items()}
+    (held,) = [k for k in footers if k.endswith("-2.distcp")]
+    slow = _HeldFooter(store, footers, held)
+    out = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dcp.load(out, storage_reader=CloudReader("memory://bkt/ck", StoreBackend(slow), transfer=transfer, retry=RETRY))
+    assert all(torch.equal(out[k], v) for k, v in _state().items())
+    # the other objects' data reads began while this footer was still outstanding
+    assert slow.waited is True

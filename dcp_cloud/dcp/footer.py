@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,14 +115,25 @@ def place_of(value: Any, describe: str) -> tuple[int, int]:
 
 def fetch_all(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dict[str, dict[int, ItemExtras]]:
     """The footers of objects ``key -> (url, place)``, read in parallel (one ranged GET each) and decoded."""
-    reads = []
+    return dict(fetch_each(engine, wanted))
+
+
+def fetch_each(
+    engine: TransferEngine, wanted: dict[str, tuple[str, Any]]
+) -> Iterator[tuple[str, dict[int, ItemExtras]]]:
+    """``(key, footer)`` of objects ``key -> (url, place)`` as each arrives: every GET is sent at once, and a
+    caller can start reading an object while the footers of the others are still on their way.
+
+    After a failed read nothing more is yielded; the first failure is raised once every read has ended.
+    """
+    reads: dict[Future[None], tuple[str, str, int, bytearray]] = {}
     for key, (url, place) in wanted.items():
         start, length = place_of(place, url)
         buf = bytearray(length)
-        reads.append((key, url, start, buf, engine.read_at(key, start, [memoryview(buf)])))
-    out: dict[str, dict[int, ItemExtras]] = {}
+        reads[engine.read_at(key, start, [memoryview(buf)])] = (key, url, start, buf)
     failure: BaseException | None = None
-    for key, url, start, buf, future in reads:
+    for future in as_completed(reads):
+        key, url, start, buf = reads[future]
         try:
             future.result()
         except (ObjectNotFoundError, CorruptCheckpointError) as exc:
@@ -130,11 +142,11 @@ def fetch_all(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dic
         except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
             failure = failure or exc
             continue
-        engine.recorder.add_index_read(len(buf))
-        out[key] = _decode_or_reread(engine.store, key, start, buf, url, engine.recorder.on_retry)
+        if failure is None:
+            engine.recorder.add_index_read(len(buf))
+            yield key, _decode_or_reread(engine.store, key, start, buf, url, engine.recorder.on_retry)
     if failure is not None:
         raise failure
-    return out
 
 
 def _decode_or_reread(

@@ -44,7 +44,7 @@ from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
 from .backend import Backend
 from .base import CloudBase, log
 from .compression import check_descriptors
-from .footer import fetch_all
+from .footer import fetch_all, fetch_each
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import ChunkIndex, LoadRun
 from .metashare import broadcast_bytes, sharing_group
@@ -258,9 +258,8 @@ class CloudReader(CloudBase, StorageReader):
             me = dist.get_rank(group)
             owned = [mine[rec.key][0][:2] for rnd in schedule.rounds for rec in rnd if rec.owner == me]
             keys = {self.uri.key(info.relative_path) for info, _ in owned}
-            by_key: dict[str, tuple[str, list[Any]]] = {key: (self.store.url(key), []) for key in keys}
             try:
-                footers = self._fetch_footers(run, owned, by_key)
+                footers = self._fetch_footers(run, owned, {key: self.store.url(key) for key in keys})
             except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange
                 error = exc
 
@@ -270,16 +269,34 @@ class CloudReader(CloudBase, StorageReader):
         Exchange(group, schedule, run, mine, extras, self.uri.key).run_all(error)
 
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
-        """Start whole-item reads, then the coalesced reads of every object."""
-        by_key: dict[str, tuple[str, list[Any]]] = {}
-        for info, _ in records:
+        """Start the reads of every object, each as soon as its own index footer is in: the footers are
+        fetched in parallel, and an object's reads do not wait for the footers of the others."""
+        by_key: dict[str, tuple[str, list[tuple[Any, ReadItem]]]] = {}
+        for info, req in records:
             key = self.uri.key(info.relative_path)
             if key not in by_key:
                 by_key[key] = (self.store.url(key), [])
-        footers = self._fetch_footers(run, records, by_key)
+            by_key[key][1].append((info, req))
+        if self._footers is None:  # format 1: the extras are in the records
+            for key, (url, recs) in by_key.items():
+                self._start_object(run, key, url, recs, {})
+            return
+        wanted = self._footer_places(records, {key: url for key, (url, _) in by_key.items()})
+        for key, footer in fetch_each(run.engine, wanted):
+            url, recs = by_key[key]
+            self._start_object(run, key, url, recs, {key: footer})
+
+    def _start_object(
+        self,
+        run: LoadRun,
+        key: str,
+        url: str,
+        records: list[tuple[Any, ReadItem]],
+        footers: dict[str, dict[int, ItemExtras]],
+    ) -> None:
+        """Start the reads of the items ``records`` (sorted by offset) of object ``key``."""
+        coalesced: list[Any] = []
         for info, req in records:
-            key = self.uri.key(info.relative_path)
-            url, coalesced = by_key[key]
             what = f"{req.storage_index.fqn!r} from {url}"
             extras = self._extras(footers, key, info, what)
             descs = transform_descriptors(info)
@@ -292,23 +309,26 @@ class CloudReader(CloudBase, StorageReader):
                 run.start_whole(req, key, info, None, what)
             else:
                 coalesced.append((req, info, extras, what, None))
-        for key, (url, entries) in by_key.items():
-            if entries:
-                run.read_object(key, url, entries)
+        if coalesced:
+            run.read_object(key, url, coalesced)
 
     def _fetch_footers(
-        self, run: LoadRun, records: list[tuple[Any, ReadItem]], by_key: dict[str, tuple[str, list[Any]]]
+        self, run: LoadRun, records: list[tuple[Any, ReadItem]], urls: dict[str, str]
     ) -> dict[str, dict[int, ItemExtras]]:
-        """The index footers of every object this plan reads (format 2), fetched in parallel."""
-        table = self._footers
-        if table is None:
+        """The index footers of every object ``records`` read (format 2), fetched in parallel."""
+        if self._footers is None:
             return {}
+        return fetch_all(run.engine, self._footer_places(records, urls))
+
+    def _footer_places(self, records: list[tuple[Any, ReadItem]], urls: dict[str, str]) -> dict[str, tuple[str, Any]]:
+        """``key -> (url, footer place)`` of every object ``records`` read (``urls``: key -> URL)."""
+        table = self._footers or {}
         wanted: dict[str, tuple[str, Any]] = {}
         for info, _ in records:
             key = self.uri.key(info.relative_path)
             if key in wanted:
                 continue
-            url = by_key[key][0]
+            url = urls[key]
             place = table.get(info.relative_path)
             if place is None:
                 raise CorruptCheckpointError(
@@ -316,7 +336,7 @@ class CloudReader(CloudBase, StorageReader):
                     "the metadata is damaged or was edited"
                 )
             wanted[key] = (url, place)
-        return fetch_all(run.engine, wanted)
+        return wanted
 
     def _extras(self, footers: dict[str, dict[int, ItemExtras]], key: str, info: Any, what: str) -> ItemExtras | None:
         """What we recorded about one item: from its object's footer (format 2) or its record (format 1)."""
