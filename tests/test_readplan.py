@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_cloud.dcp.readplan import FRAMING_GAP, Request, Segment, plan_requests
+from dcp_cloud.dcp.readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, plan_requests
 
 
 @st.composite
@@ -59,7 +59,8 @@ def _check(
         assert wanted == req.wanted
         length = req.end - req.start
         one_block = len(req.parts) == 1 and length <= max(segments[req.parts[0][0]].block, 1)
-        assert length <= chunk or one_block, (req, chunk)
+        ends_segment = req.parts[-1][2] == segments[req.parts[-1][0]].end
+        assert length <= chunk or one_block or (ends_segment and length <= chunk + chunk // TAIL_SLACK), (req, chunk)
         assert length - wanted - free <= ratio * wanted + 1e-9, "discarded bytes above the ratio"
     for i, seg in enumerate(segments):
         pieces = covered.get(i, [])
@@ -132,6 +133,19 @@ def test_a_long_segment_is_cut_on_its_block_grid() -> None:
     # a block larger than chunk: one block per request
     requests = plan_requests([seg], max_gap=0, ratio=0.0, chunk=1000)
     assert [(r.start, r.end) for r in requests] == [(100, 4196), (4196, 8292), (8292, 10100)]
+
+
+def test_a_segment_just_over_chunk_is_one_request_not_a_full_one_and_a_tail() -> None:
+    chunk = 16 << 20
+    item = Segment(704, 704 + chunk + 5 * 1024, block=64 * 1024, origin=704)  # 16 MiB + framing and block edge
+    assert [(r.start, r.end) for r in plan_requests([item], max_gap=0, ratio=0.0, chunk=chunk)] == [
+        (item.start, item.end)
+    ]
+    longer = Segment(0, chunk + chunk // TAIL_SLACK + 1, block=64 * 1024)  # the rest is long enough for its own
+    assert [(r.start, r.end) for r in plan_requests([longer], max_gap=0, ratio=0.0, chunk=chunk)] == [
+        (0, chunk),
+        (chunk, longer.end),
+    ]
 
 
 def test_bad_input_is_refused() -> None:

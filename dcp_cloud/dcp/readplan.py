@@ -19,7 +19,10 @@ segments are packed into few requests:
 
 A segment longer than ``chunk`` is cut into several requests (read in
 parallel), at multiples of its checksum block, so that every request holds
-whole blocks of every item it touches and can be verified on its own.
+whole blocks of every item it touches and can be verified on its own. A cut
+that would leave less than ``chunk / TAIL_SLACK`` of the segment for a request
+of its own is not made: a 16 MiB tensor with its framing and block edges
+(16 MiB + a few KiB) is one GET, not a full one and a short one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FRAMING_GAP", "Request", "Segment", "iter_requests", "plan_requests", "plan_spans"]
+__all__ = ["FRAMING_GAP", "TAIL_SLACK", "Request", "Segment", "iter_requests", "plan_requests", "plan_spans"]
 
 #: The longest gap always read through: torch.save puts ~1.5 KiB of zip framing
 #: (trailer of one item, header of the next) between the raw bytes of two
@@ -38,6 +41,10 @@ __all__ = ["FRAMING_GAP", "Request", "Segment", "iter_requests", "plan_requests"
 #: framings (> 3 KiB) besides the item's bytes. So gaps this short are pure
 #: framing, and reading them costs far less than another request.
 FRAMING_GAP = 2048
+
+#: A request may exceed ``chunk`` by ``chunk // TAIL_SLACK`` bytes to end a segment rather than leave
+#: that short a rest of it to a request of its own (another round trip, for little parallelism).
+TAIL_SLACK = 8
 
 
 def plan_spans(
@@ -95,9 +102,10 @@ class Request:
     free: int = 0
 
 
-def _cut(seg: Segment, pos: int, room: int) -> int:
-    """The furthest end ``<= pos + room`` a part of ``seg`` starting at ``pos`` may have (may be ``<= pos``)."""
-    if seg.end - pos <= room:
+def _cut(seg: Segment, pos: int, room: int, slack: int) -> int:
+    """The furthest end ``<= pos + room`` a part of ``seg`` starting at ``pos`` may have (may be ``<= pos``),
+    or the segment's end when that is at most ``room + slack`` away."""
+    if seg.end - pos <= room + slack:
         return seg.end
     limit = pos + room
     if seg.block <= 1:
@@ -129,8 +137,10 @@ def iter_requests(
     * a part ends at its segment's end or on its segment's block grid, and
       starts at its segment's start or where the previous part of the same
       segment ended (so on the grid too);
-    * a request has at most ``chunk`` bytes, unless it is one part of at most
-      one block (a block larger than ``chunk``);
+    * a request has at most ``chunk + chunk // TAIL_SLACK`` bytes, and more
+      than ``chunk`` only where its last part ends its segment (so no
+      request holds a short rest of a cut segment), unless it is one part of
+      at most one block (a block larger than ``chunk``);
     * the discarded bytes of a request (its gaps) are at most ``ratio``
       times its wanted bytes, not counting gaps of at most
       ``min(free_gap, max_gap)`` bytes, which are always read through. So a
@@ -150,6 +160,7 @@ def iter_requests(
     """
     if max_gap < 0 or ratio < 0 or chunk < 1:
         raise ValueError(f"plan_requests needs max_gap >= 0, ratio >= 0, chunk >= 1; got {max_gap}, {ratio}, {chunk}")
+    slack = chunk // TAIL_SLACK
     cur: Request | None = None
     prev_end = -1
     for index, seg in enumerate(segments):
@@ -160,7 +171,7 @@ def iter_requests(
         while pos < seg.end:
             if cur is not None:
                 gap = pos - cur.end
-                take = _cut(seg, pos, chunk - (pos - cur.start))
+                take = _cut(seg, pos, chunk - (pos - cur.start), slack)
                 free = gap <= free_gap
                 joins = take > pos and (
                     gap == 0
@@ -179,7 +190,7 @@ def iter_requests(
                     cur.free += gap
             if cur is None:
                 cur = Request(pos, pos)
-                take = _cut(seg, pos, chunk)
+                take = _cut(seg, pos, chunk, slack)
                 if take <= pos:  # a block larger than chunk: one block alone
                     take = min(seg.end, pos + seg.block)
             cur.parts.append((index, pos, take))
