@@ -108,6 +108,7 @@ def preload(spec: dict[str, Any]) -> None:
         import botocore.config  # noqa: F401
 
         import dcp_cloud  # noqa: F401
+        import dcp_cloud.store.s3  # noqa: F401 - its S3 client, as the peers' imports above load theirs
 
 
 def _threads(contender: str) -> int:

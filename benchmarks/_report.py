@@ -52,6 +52,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[
                     "cpu_s_per_gib_median": _med(cpu),
                     "rss_extra_mib_median": _med(extra),
                     "rss_extra_mib_max": max(extra, default=None),
+                    "seconds_median": _med([r["seconds"] for r in ok]),
+                    "client_cpu_s_median": _med([r["cpu_s"] for r in ok]),
+                    "server_cpu_s_median": _med([r["server_cpu_s"] for r in ok if "server_cpu_s" in r]),
+                    "proxy_cpu_s_median": _med([r["proxy_cpu_s"] for r in ok if "proxy_cpu_s" in r]),
                     "verified": None if not ok else all(r.get("verified") is not False for r in ok),
                     "errors": [],
                 }
@@ -99,6 +103,31 @@ def _op_table(op: str, by_path: dict[str, dict[str, dict[str, Any]]]) -> str:
     )  # fmt: skip
 
 
+def _cpu_table(summary: dict[str, Any], cores: int) -> str:
+    """Where the machine's CPU went during each operation: client, server, proxy, and how busy the cores were."""
+    rows = []
+    for op in [o for o in OPS if o in summary]:
+        for path, cells in summary[op].items():
+            for c in [c for c in P.ALL if c in cells]:
+                s = cells[c]
+                parts = [s.get(k) for k in ("client_cpu_s_median", "server_cpu_s_median", "proxy_cpu_s_median")]
+                secs = s.get("seconds_median")
+                if secs is None or any(v is None for v in parts):
+                    continue
+                busy = sum(parts) / (cores * secs)
+                rows.append([op, path, P.LABELS[c], C.fmt(secs, 2), *(C.fmt(v, 2) for v in parts), f"{busy:.0%}"])
+    if not rows:
+        return ""
+    return (
+        "#### Where the CPU went (medians)\n\n"
+        f"Client CPU in the timed span, summed over ranks; the S3 server's and the proxy's (this process's) CPU "
+        f"over the whole operation; busy = their sum over {cores} cores x the timed span.\n\n"
+        + C.markdown_table(
+            ["operation", "path", "contender", "seconds", "client CPU s", "server CPU s", "proxy CPU s", "busy"], rows
+        )  # fmt: skip
+    )
+
+
 def goals(summary: dict[str, Any]) -> list[list[str]]:
     """dcp_cloud against the best peer: throughput on the shaped path, CPU over HTTPS, memory on every path."""
     rows = []
@@ -143,6 +172,9 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
     parts = ["\n".join(head)]
     for op in [o for o in OPS if o in summary]:
         parts.append(_op_table(op, summary[op]))
+    cpu = _cpu_table(summary, env.get("cpus") or 1)
+    if cpu:
+        parts.append(cpu)
     g = goals(summary)
     if g:
         parts.append("#### Goals (dcp_cloud against the best peer)\n\n" + C.markdown_table(

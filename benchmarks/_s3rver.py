@@ -80,6 +80,14 @@ class S3rver:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def cpu_s(self) -> float:
+        """CPU-seconds the server process has used so far (user + system, all its threads; 0 off Linux)."""
+        if self.pid is None or not os.path.exists(f"/proc/{self.pid}/stat"):
+            return 0.0
+        with open(f"/proc/{self.pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def env(self, base: dict[str, str]) -> dict[str, str]:
         env = dict(base)
         env.update(

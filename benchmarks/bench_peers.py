@@ -277,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                         result: dict[str, Any] = {"error": f"not run: {failed}"}
                     else:
                         s = {**spec, "kind": kind, "world": world}
+                        server0, here0 = server.cpu_s(), sum(os.times()[:2])
                         if world == 1:
                             result = C.run_child(SCRIPT, s, env=env, timeout=args.timeout)
                         else:
                             result = _merge(_ranks.run_ranks(SCRIPT, s, world, env=env, timeout=args.timeout))
+                        # the server's and this process's (the proxy's threads) CPU while the operation ran
+                        result["server_cpu_s"] = server.cpu_s() - server0
+                        result["proxy_cpu_s"] = sum(os.times()[:2]) - here0
                         if "error" in result and kind == "save":
                             failed = "the save failed"
                     result.update(contender=contender, path=path, scenario=scenario, op=op, round=rnd)
