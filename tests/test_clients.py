@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,10 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cloud.dcp.base
-from dcp_cloud import S3Reader, S3Writer, close_clients
+from dcp_cloud import S3Reader, S3Writer, TransferConfig, close_clients
+from dcp_cloud.errors import TransientStoreError
 from dcp_cloud.store.clients import shared_client
 from dcp_cloud.store.s3 import S3Config, S3Store
-from dcp_cloud.testing.proxy import FaultProxy
+from dcp_cloud.testing.proxy import FaultProxy, Shaping
 
 
 def test_stores_of_one_configuration_share_a_client(s3_env: dict[str, str]) -> None:
@@ -84,3 +88,53 @@ def test_a_later_checkpoint_opens_no_connection_and_skips_the_bucket_check(moto_
     # The bucket was seen to exist by the first checkpoint: later ones skip that round trip.
     assert ("HEAD", f"/{s3_bucket}") not in later.by_path, later.by_path
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def _wait_for(predicate: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_reader_opens_its_connections_while_its_first_request_is_on_its_way(moto_server: Any, s3_bucket: str) -> None:
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    dcp.save(state, storage_writer=S3Writer(f"s3://{s3_bucket}/step-1", endpoint_url=moto_server.endpoint_url))
+    transfer = TransferConfig(concurrency=4)
+    # A handshake of 2 x 50 ms at the proxy: a client that opened connections one request at a time would
+    # have one when the constructor's GET of .metadata returns; the warm-up opens three more meanwhile (the
+    # GET may take one of them: connecting to the proxy itself is instant, its handshake delay comes after).
+    with FaultProxy(moto_server.endpoint_url, shaping=Shaping(latency=0.05)) as proxy:
+        reader = S3Reader(f"s3://{s3_bucket}/step-1", endpoint_url=proxy.url, transfer=transfer)
+        assert proxy.snapshot().total_requests == 1  # the GET of .metadata
+        assert _wait_for(lambda: proxy.snapshot().connections >= 3), proxy.snapshot()
+        before = proxy.snapshot().connections
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=reader)
+        after = proxy.snapshot()
+    assert before <= 4 and after.connections == before, (before, after)  # the load opened none
+    assert after.unplanned_errors == 0
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_a_writer_opens_its_connections_before_its_first_parallel_puts(moto_server: Any, s3_bucket: str) -> None:
+    with FaultProxy(moto_server.endpoint_url, shaping=Shaping(latency=0.02)) as proxy:
+        S3Writer(f"s3://{s3_bucket}/w", endpoint_url=proxy.url, transfer=TransferConfig(concurrency=3))
+        assert _wait_for(lambda: proxy.snapshot().connections >= 2), proxy.snapshot()  # 2 warmed (+ its HEAD's)
+        time.sleep(0.3)
+        assert proxy.snapshot().connections <= 3  # and no more than its concurrency
+
+
+def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[str, str]) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = S3Store("bucket", S3Config(endpoint_url=f"http://127.0.0.1:{port}"), request_timeout=2.0)
+    started = time.monotonic()
+    store.warm(4)
+    assert time.monotonic() - started < 0.5
+    assert _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "dcp_cloud-warm"], 5.0)
+    with pytest.raises(TransientStoreError, match="endpoint"):  # the request reports what the warm-up swallowed
+        store.head("k")

@@ -74,6 +74,15 @@ class CloudBase:
             self._store_bucket = self.uri.bucket
         return self._store
 
+    def _warm(self) -> None:
+        """Let a store that can (S3 with the lean client) open the engine's connections in the background
+        while the first request of a load or save (a HEAD) is on its way: the parallel requests after it then
+        find them open instead of each paying a TCP (and TLS) handshake first. That request opens (or finds)
+        the last of the ``concurrency`` connections."""
+        warm = getattr(self.store, "warm", None)
+        if warm is not None:
+            warm(self.transfer.concurrency - 1)
+
     def _retrying(self) -> RetryingStore:
         hooks = RetryHooks(on_attempt=self._recorder.on_attempt, on_retry=self._recorder.on_retry)
         return RetryingStore(self.store, self.retry, hooks)

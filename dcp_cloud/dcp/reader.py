@@ -87,6 +87,7 @@ class CloudReader(CloudBase, StorageReader):
         when a process group will share one GET of it."""
         self._metadata = None
         self._metadata_error = None
+        self._warm()
         if sharing_group(self.process_group, self.share_metadata) is None:
             self._metadata = load_metadata(self._get_metadata(), self.store.url(self._metadata_key()))
             return

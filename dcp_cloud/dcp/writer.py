@@ -198,6 +198,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self._started = time.perf_counter()
         # Refuse a part size the store cannot take now, not at the first part of write_data.
         plan_part_size(None, self.transfer.part_size, self.store.limits)
+        self._warm()
         self._check_bucket()
         if not self.overwrite and self._metadata_exists():
             raise CheckpointExistsError(

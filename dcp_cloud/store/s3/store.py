@@ -183,6 +183,16 @@ class S3Store:
         with self._process_lock():
             self._client_obj, self._client_pid = None, None
 
+    def warm(self, connections: int) -> None:
+        """Open up to ``connections`` connections in the background, ready for a load's or save's first
+        parallel requests (the lean client's pool; botocore's client is left as it is)."""
+        try:
+            client = self._client()
+        except DcpCloudError:
+            return  # the first request reports it
+        if isinstance(client, LeanS3Client):
+            client.warm(self.bucket, min(connections, self.max_connections))
+
     # -- helpers -------------------------------------------------------------
 
     def url(self, key: str) -> str:
