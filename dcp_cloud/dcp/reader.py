@@ -6,12 +6,15 @@ Call order (torch's contract): ``reset`` (when a checkpoint_id is passed) ->
 
 Torch swallows whatever ``read_metadata`` raises, so "not found / not
 committed / no access" errors are raised, typed, by the constructor and by
-``reset``, before any collective step: in a process group with one HEAD per
-rank, alone with the GET of the metadata itself. In a group, the metadata is
-then fetched once per load job, by the group's first rank, and broadcast from
-``read_metadata`` (see :mod:`dcp_cloud.dcp.metashare`); an error there (a
-corrupt object, a store failure) is raised by ``set_up_storage_reader`` on
-every rank, where torch hands it to all ranks as it is.
+``reset``, before any collective step: alone, and on the first rank of a
+process group, with the GET of the metadata itself; on the group's other
+ranks with one HEAD. In a group the metadata is thus fetched once per load
+job, by the group's first rank, and broadcast from ``read_metadata`` (see
+:mod:`dcp_cloud.dcp.metashare`) without a second round trip; an error there
+(a corrupt object, a store failure) is raised by ``set_up_storage_reader``
+on every rank, where torch hands it to all ranks as it is. While that first
+request is on its way the store opens the connections the reads will use
+(``CloudBase._warm``).
 
 For each requested region of a saved chunk, the reader computes the exact
 byte runs inside the stored tensor bytes (row-major layout math), widens them
@@ -79,22 +82,35 @@ class CloudReader(CloudBase, StorageReader):
         self._footers: dict[str, Any] | None = None
         self._metadata: Metadata | None = None
         self._metadata_error: BaseException | None = None
+        #: ``.metadata`` as fetched by the constructor of the rank that shares it, until read_metadata sends it.
+        self._metadata_body: bytes | None = None
         self._open()
 
     # -- metadata ---------------------------------------------------------
     def _open(self) -> None:
-        """Raise the typed "not there" errors now: with the metadata itself when reading alone, with a HEAD
-        when a process group will share one GET of it."""
+        """Raise the typed "not there" errors now: with the metadata itself when reading alone or on the rank
+        that fetches it for a process group (it sends these bytes, with no second round trip, when the load
+        starts), with a HEAD on the group's other ranks."""
         self._metadata = None
         self._metadata_error = None
+        self._metadata_body = None
         self._warm()
-        if sharing_group(self.process_group, self.share_metadata) is None:
+        group = sharing_group(self.process_group, self.share_metadata)
+        if group is None:
             self._metadata = load_metadata(self._get_metadata(), self.store.url(self._metadata_key()))
+            return
+        if dist.get_rank(group) == 0:
+            self._metadata_body = self._get_metadata()
             return
         try:
             self._retrying().head(self._metadata_key())
         except ObjectNotFoundError as exc:
             self._not_found(exc)
+
+    def _fetched_metadata(self) -> bytes:
+        """The body the constructor fetched (once), else a new GET."""
+        body, self._metadata_body = self._metadata_body, None
+        return body if body is not None else self._get_metadata()
 
     def _get_metadata(self) -> bytes:
         try:
@@ -134,7 +150,7 @@ class CloudReader(CloudBase, StorageReader):
             group = sharing_group(self.process_group, self.share_metadata)
             url = self.store.url(self._metadata_key())
             try:
-                body = broadcast_bytes(group, self._get_metadata) if group is not None else self._get_metadata()
+                body = broadcast_bytes(group, self._fetched_metadata) if group is not None else self._get_metadata()
                 self._metadata = load_metadata(body, url)
             except Exception as exc:  # noqa: BLE001 - raised by set_up_storage_reader on every rank
                 # Torch turns an exception raised here into an untyped AssertionError; an empty
