@@ -163,8 +163,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         nargs="*",
         default=[],
         metavar="JSON",
-        help="results (--json) of earlier runs whose operations this run lacks, drawn in the same plots "
-        "(e.g. a 1p run and a 4r run)",
+        help="results (--json) of earlier runs whose operations or paths this run lacks, drawn in the same "
+        "plots (e.g. a 1p run and 4r runs over different paths); the first that has one wins",
     )
     p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
     p.add_argument("--profile", default=None,
@@ -327,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots:
         import _plots
 
-        merged = dict(summary)
-        for earlier in args.plot_with:
+        merged = {op: dict(paths) for op, paths in summary.items()}
+        for earlier in args.plot_with:  # what this run lacks, by operation and path
             with open(earlier) as fh:
-                for op, cells in json.load(fh)["summary"].items():
-                    merged.setdefault(op, cells)
+                for op, paths in json.load(fh)["summary"].items():
+                    for path, cells in paths.items():
+                        merged.setdefault(op, {}).setdefault(path, cells)
         for f in _plots.plot(merged, args.plots):
             print(f"plot: {f}")
     return 0
