@@ -46,6 +46,7 @@ from .sigv4 import (
     sign,
     uri_encode_path,
 )
+from .warmup import warm_pool
 
 #: Environment variables under which botocore would route through a proxy (the lean client does not).
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -225,32 +226,11 @@ class LeanS3Client:
             fallback.close()
 
     def warm(self, bucket: str, count: int) -> None:
-        """Have ``count`` connections to ``bucket``'s endpoint open in the pool, opening the missing ones in
-        the background.
-
-        Returns at once. The TCP (and TLS) handshakes then overlap the first
-        request a load or save makes (``.metadata``) instead of delaying the
-        parallel requests after it, each of which would open its own. The
-        connections are taken out of the pool together and put back as each
-        is open, so no two threads warm the same one. One that fails to open
-        is dropped silently: the request that would have used it opens one
-        itself and reports the error. Each attempt is bounded by the connect
-        timeout.
-        """
+        """Have ``count`` connections to ``bucket``'s endpoint open, the missing ones opened in the background
+        (see :func:`.warmup.warm_pool`): their handshakes overlap a load's or save's first request instead of
+        delaying the parallel requests after it."""
         host, _, _ = self._where(bucket, None)
-        pool = self._pool.connection_from_host(host, self._port, self._scheme)
-        taken = []
-        try:
-            for _ in range(count):
-                taken.append(pool._get_conn())  # urllib3's own slot accounting: an idle one or a new one
-        except Exception:  # noqa: BLE001 - the pool is closed: nothing to warm
-            pass
-        for conn in taken:
-            if getattr(conn, "sock", None) is not None:
-                pool._put_conn(conn)
-            else:
-                threading.Thread(target=_open_one, args=(pool, conn, self._timeout.connect_timeout), daemon=True,
-                                 name="dcp_cloud-warm").start()  # fmt: skip
+        warm_pool(self._pool.connection_from_host(host, self._port, self._scheme), count, self._timeout.connect_timeout)
 
     def _where(self, bucket: str, key: str | None) -> tuple[str, str, str]:
         """(host to connect to, Host header, encoded path) of a bucket or object."""
@@ -500,18 +480,6 @@ class LeanS3Client:
             "NextContinuationToken": _text(root, "NextContinuationToken"),
             "ResponseMetadata": self._metadata(response),
         }
-
-
-def _open_one(pool: Any, conn: Any, timeout: float | None) -> None:
-    """Connect ``conn``, taken from ``pool``, and put it back idle (see :meth:`LeanS3Client.warm`)."""
-    try:
-        conn.timeout = timeout
-        conn.connect()
-    except Exception:  # noqa: BLE001 - the request that needs a connection reports the failure
-        conn.close()
-        pool._put_conn(None)  # give the slot back, as urllib3 does after a failed request
-        return
-    pool._put_conn(conn)
 
 
 def _default_ca_bundle() -> str | None:
