@@ -94,6 +94,33 @@ def test_retry_loop_cuts_on_throttles_only() -> None:
     assert limit.cuts == 1  # the reset did not cut; the SlowDown did
 
 
+def test_waits_for_the_rate_count_against_the_deadline() -> None:
+    """A request whose token would come after its deadline fails at once instead of waiting past it."""
+    clock = Clock()
+    limit = _limit(clock, floor=0.1, recovery=0.001)
+    for _ in range(10):  # 10 requests in a second, then throttled down to the floor
+        limit.acquire()
+        clock.now += 0.1
+    limit.on_throttle()  # throttled at ~10/s: the rate stays limited until it is back there
+    for _ in range(12):  # each throttle after the cooldown halves the rate, down to the floor
+        clock.now += 15.0
+        limit.on_throttle()
+    assert limit.rate is not None and limit.rate < 0.12
+    assert limit.acquire(timeout=1.0) is True  # the bucket's last token: no wait
+    assert clock.slept == []
+    assert limit.acquire(timeout=1.0) is False  # the next comes ~10 s later: refused without sleeping
+    assert clock.slept == []
+    config = RetryConfig(deadline=5.0)
+    hooks = RetryHooks(sleep=clock.sleep, clock=clock, rand=lambda: 1.0, limit=limit)
+    calls: list[int] = []
+    with pytest.raises(TransientStoreError, match="deadline"):
+        call_with_retry("get", lambda: calls.append(1), config, hooks)
+    assert calls == [] and clock.slept == []  # no attempt made, no time spent waiting
+    # with a deadline that covers the wait, the same call waits for its token and goes through
+    assert call_with_retry("get", lambda: "ok", RetryConfig(deadline=60.0), hooks) == "ok"
+    assert 0 < sum(clock.slept) <= 11.0
+
+
 def test_config_validates_and_disables() -> None:
     with pytest.raises(ConfigError):
         RetryConfig(rate_limit_floor=0)

@@ -17,6 +17,9 @@ token bucket every attempt of every store in the process draws from
   second without a throttle (counted when requests succeed, and caught up
   after idle time), and stops limiting once it is back at the rate the
   process sent at when it was first throttled;
+* a wait for a token counts against the request's ``RetryConfig.deadline``:
+  a request whose token would come after it fails at once, as a transient
+  error, instead of waiting past it;
 * it never goes below ``floor`` requests per second, and a burst of
   throttles (those within ``max(1 / rate, COOLDOWN)`` of a cut: answers to
   requests that were already in flight) cuts it once.
@@ -72,20 +75,24 @@ class AdaptiveRateLimit:
         self.cuts = 0
         self.waited = 0.0
 
-    def acquire(self) -> None:
-        """Wait for a token (returns at once while nothing limits the rate)."""
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for a token (at once while nothing limits the rate); False, without waiting, as soon as the
+        token would come more than ``timeout`` seconds after the call (None: wait as long as it takes)."""
+        end = None if timeout is None else self._clock() + timeout
         while True:
             with self._lock:
                 now = self._clock()
                 self._note(now)
                 self._grow(now)
                 if self.rate is None:
-                    return
+                    return True
                 self._refill(now)
                 if self._tokens >= 1.0:
                     self._tokens -= 1.0
-                    return
+                    return True
                 wait = (1.0 - self._tokens) / self.rate
+            if end is not None and now + wait > end:
+                return False
             self.waited += wait
             self._sleep(wait)
 

@@ -3,7 +3,8 @@
 Stores make one attempt per call and raise typed errors; only
 :class:`~dcp_cloud.errors.TransientStoreError` (throttling, 5xx, resets,
 timeouts, short bodies) is retried, with full-jitter exponential backoff,
-bounded by ``RetryConfig.max_attempts`` and ``RetryConfig.deadline``.
+bounded by ``RetryConfig.max_attempts`` and ``RetryConfig.deadline`` (waits
+for the adaptive rate included).
 Clock, sleep and random source are injectable for tests. Every attempt
 first draws from the process's adaptive request rate
 (:mod:`~dcp_cloud.store.ratelimit`), which throttling answers cut and
@@ -68,8 +69,14 @@ def call_with_retry(op: str, fn: Callable[[], T], config: RetryConfig, hooks: Re
     attempt = 0
     while True:
         attempt += 1
-        if limit is not None:
-            limit.acquire()
+        if limit is not None and not limit.acquire(config.deadline - (hooks.clock() - start)):
+            rate = limit.rate
+            raise TransientStoreError(
+                f"{op}: the store throttled this process, and its adaptive request rate "
+                f"({rate if rate is not None else 0:.1f}/s) would start attempt {attempt} after "
+                f"RetryConfig.deadline ({config.deadline:g}s); the bucket or prefix is overloaded: retry later, "
+                "spread the load over more prefixes, or raise the deadline"
+            )
         hooks.on_attempt(op)
         try:
             result = fn()
