@@ -169,6 +169,10 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
         "",
         f"code: {env.get('head')}" + (f"; --ref-path: {env.get('ref_head')}" if env.get("ref_head") else ""),
     ]
+    for flag in ("transfer", "ref_transfer"):
+        fields = getattr(args, flag, None)
+        if fields:
+            head += ["", f"--{flag.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
     parts = ["\n".join(head)]
     for op in [o for o in OPS if o in summary]:
         parts.append(_op_table(op, summary[op]))

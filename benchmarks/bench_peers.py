@@ -135,6 +135,29 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 # ============================================================================ parent side
 
 
+_UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _transfer_arg(text: str) -> dict[str, int | float | bool]:
+    """``"concurrency=16,read_chunk_size=8MiB"`` -> TransferConfig keyword arguments (checked by it)."""
+    out: dict[str, int | float | bool] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        unit = next((u for u in _UNITS if value.endswith(u)), None)
+        number = value[: -len(unit)] if unit else value
+        if number in ("true", "false"):
+            out[key] = number == "true"
+            continue
+        try:
+            parsed = float(number) if "." in number else int(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}: expected a number, got {value!r}") from None
+        out[key] = int(parsed * _UNITS[unit]) if unit else parsed
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,6 +175,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bandwidth-mbs", type=float, default=90.0,
                    help="shaped path: MB/s (10^6 bytes) per connection and direction (default 90)")  # fmt: skip
     p.add_argument("--ref-path", default=None, help="another checkout: adds dcp_cloud_ref run with PYTHONPATH=it")
+    p.add_argument("--transfer", default="", type=_transfer_arg, metavar="K=V,...",
+                   help="TransferConfig fields of dcp_cloud, e.g. concurrency=16,read_chunk_size=8MiB")  # fmt: skip
+    p.add_argument("--ref-transfer", default="", type=_transfer_arg, metavar="K=V,...",
+                   help="the same for dcp_cloud_ref (--ref-path . : one checkout, two configurations)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="temporary files (s3rver data, local disk contender)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per operation (default 600)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed small round")
@@ -268,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"contender": contender, "uri": f"s3://{C.BUCKET}/{name}",
                         "path": os.path.join(local_root, name), "size_mb": size_mb, "tensors": args.tensors,
                         "seed": args.seed, "verify": not args.no_verify,
-                        "target": targets.get(contender), "transfer": {}, "profile": args.profile,
+                        "target": targets.get(contender), "profile": args.profile,
+                        "transfer": args.ref_transfer if contender == "dcp_cloud_ref" else args.transfer,
                         **wire}  # fmt: skip
                 failed = None
                 for kind, world in [("save", save_world), *(("load", w) for w in load_worlds)]:
