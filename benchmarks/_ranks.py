@@ -1,7 +1,7 @@
 """Multi-rank measurements: launch N fresh rank processes (gloo on 127.0.0.1), and their sharded state dict.
 
 :func:`run_ranks` starts ``python SCRIPT --child SPEC`` once per rank with
-``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` set, waits for
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` set, waits for
 all of them, and always kills what is left on a timeout, an error or Ctrl-C.
 Each rank prints one result line (see ``_common.child_main``).
 
@@ -48,7 +48,8 @@ def run_ranks(
     try:
         for rank in range(world):
             rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}  # fmt: skip
             cmd = [*(prefix or []), sys.executable, script, "--child", json.dumps(spec)]
             procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout

@@ -16,11 +16,34 @@ where the layout allows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
 MiB = 1024 * 1024
+
+#: Default worker threads (and connections) of a process alone on its host, and of a rank sharing one.
+ALONE_CONCURRENCY = 16
+SHARED_CONCURRENCY = 8
+
+
+def default_concurrency() -> int:
+    """``concurrency`` when none is given: :data:`ALONE_CONCURRENCY` in a process alone on its host,
+    :data:`SHARED_CONCURRENCY` per rank where several share one.
+
+    One S3 connection moves about 90 MB/s, so a host needs many at once, and
+    its ranks share its NIC and cores: 8 ranks of 8 keep 64 busy, while a
+    process loading a whole checkpoint alone (evaluation, conversion) needs
+    more than 8 of its own. torchrun's ``LOCAL_WORLD_SIZE`` says how many ranks
+    share the host; without it, any ``WORLD_SIZE`` above 1 counts as shared.
+    """
+    text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 2  # unreadable: assume the host is shared (the smaller default)
+    return ALONE_CONCURRENCY if ranks <= 1 else SHARED_CONCURRENCY
 
 
 def _require(cond: bool, message: str) -> None:
@@ -43,8 +66,10 @@ class TransferConfig:
     #: Most part buffers alive at once in one process; with ``part_size`` it
     #: sets the memory budget ``part_size * max_inflight_parts``.
     max_inflight_parts: int = 8
-    #: Worker threads issuing requests (uploads and ranged reads).
-    concurrency: int = 8
+    #: Worker threads issuing requests (uploads and ranged reads), each with its own connection. Default
+    #: (:func:`default_concurrency`, read from the environment when the config is made): 16 in a process
+    #: alone on its host, 8 per rank where several share one (torchrun's ``LOCAL_WORLD_SIZE`` > 1).
+    concurrency: int = field(default_factory=default_concurrency)
     #: Objects smaller than this are written with one PUT instead of
     #: multipart: a stream holds its first parts until it knows the object's
     #: size. Borrowed tensor bytes cost nothing to hold; a stream that would
