@@ -49,6 +49,15 @@ def _bars(ax: Any, summary: dict[str, Any], op: str, paths: list[str], contender
     ax.grid(axis="y", alpha=0.3)
 
 
+def _legend(fig: Any, contenders: list[str]) -> None:
+    """One entry per contender in the plots, drawn from its colour (a contender missing from the first panel,
+    such as one that ran only in some operations, would otherwise get a wrong or no swatch)."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS.get(c), label=P.LABELS[c]) for c in contenders]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+
+
 def plot(summary: dict[str, Any], directory: str) -> list[str]:
     """Write ``peers-throughput.png`` and ``peers-cost.png`` into ``directory``; their paths."""
     import matplotlib
@@ -63,8 +72,7 @@ def plot(summary: dict[str, Any], directory: str) -> list[str]:
     for ax, op in zip(axes[0], ops, strict=True):
         _bars(ax, summary, op, paths, contenders, "mib_s_median", spread=True)
     axes[0][0].set_ylabel("MiB/s (median, bars: min-max)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    _legend(fig, contenders)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     out.append(os.path.join(directory, "peers-throughput.png"))
     fig.savefig(out[-1], dpi=72)
@@ -75,8 +83,7 @@ def plot(summary: dict[str, Any], directory: str) -> list[str]:
         _bars(axes[1][k], summary, op, paths, contenders, "rss_extra_mib_median", spread=False)
     axes[0][0].set_ylabel("client CPU s per GiB (median)")
     axes[1][0].set_ylabel("extra peak RSS MiB (median)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    _legend(fig, contenders)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     out.append(os.path.join(directory, "peers-cost.png"))
     fig.savefig(out[-1], dpi=72)

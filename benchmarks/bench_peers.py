@@ -193,6 +193,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="results (--json) of earlier runs whose operations or paths this run lacks, drawn in the same "
         "plots (e.g. a 1p run and 4r runs over different paths); the first that has one wins",
     )
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: draw --plots of --contenders from the --plot-with results alone")  # fmt: skip
     p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
     p.add_argument("--profile", default=None,
                    help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
@@ -207,6 +209,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [c for c in args.contenders if c not in P.ALL] + [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown contenders or scenarios: {bad}")
+    if args.replot and not (args.plots and args.plot_with):
+        p.error("--replot needs --plots and --plot-with")
     if "dcp_cloud_ref" in args.contenders and not args.ref_path:
         p.error("dcp_cloud_ref needs --ref-path")
     return args
@@ -250,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         C.child_main(argv[1], {"save": child, "load": child})
         return 0
     args = parse_args(argv)
+    if args.replot:
+        _draw({}, args.plot_with, args.plots, keep=args.contenders)
+        return 0
     # SIGTERM (timeout, kill) unwinds like Ctrl-C: the finally blocks stop the server and proxies and
     # remove the temporary directories.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -353,17 +360,26 @@ def main(argv: list[str] | None = None) -> int:
     C.write_results(json_path, {"benchmark": "peers", "args": vars(args), "environment": env_info,
                                 "summary": summary, "runs": runs}, text)  # fmt: skip
     if args.plots:
-        import _plots
-
-        merged = {op: dict(paths) for op, paths in summary.items()}
-        for earlier in args.plot_with:  # what this run lacks, by operation and path
-            with open(earlier) as fh:
-                for op, paths in json.load(fh)["summary"].items():
-                    for path, cells in paths.items():
-                        merged.setdefault(op, {}).setdefault(path, cells)
-        for f in _plots.plot(merged, args.plots):
-            print(f"plot: {f}")
+        _draw(summary, args.plot_with, args.plots)
     return 0
+
+
+def _draw(summary: dict[str, Any], earlier_runs: list[str], directory: str, keep: list[str] | None = None) -> None:
+    """Plot ``summary`` with what it lacks, by operation and path, taken from ``earlier_runs`` (first wins);
+    only the contenders in ``keep`` (None: all)."""
+    import _plots
+
+    merged = {op: dict(paths) for op, paths in summary.items()}
+    for earlier in earlier_runs:
+        with open(earlier) as fh:
+            for op, paths in json.load(fh)["summary"].items():
+                for path, cells in paths.items():
+                    merged.setdefault(op, {}).setdefault(path, cells)
+    if keep is not None:
+        merged = {op: {p: {c: v for c, v in cells.items() if c in keep} for p, cells in paths.items()}
+                  for op, paths in merged.items()}  # fmt: skip
+    for f in _plots.plot(merged, directory):
+        print(f"plot: {f}")
 
 
 if __name__ == "__main__":
