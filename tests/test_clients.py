@@ -14,9 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cloud.dcp.base
-from dcp_cloud import S3Reader, S3Writer, TransferConfig, close_clients
+from dcp_cloud import GCSReader, GCSWriter, S3Reader, S3Writer, TransferConfig, close_clients
 from dcp_cloud.errors import TransientStoreError
 from dcp_cloud.store.clients import shared_client
+from dcp_cloud.store.gcs import GCSConfig, GCSStore
 from dcp_cloud.store.s3 import S3Config, S3Store
 from dcp_cloud.testing.proxy import FaultProxy, Shaping
 
@@ -119,6 +120,24 @@ def test_a_reader_opens_its_connections_while_its_first_request_is_on_its_way(mo
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
+def test_a_gcs_reader_opens_its_connections_while_its_first_request_is_on_its_way(
+    gcs_emulator: Any, gcs_bucket: str
+) -> None:
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    dcp.save(state, storage_writer=GCSWriter(f"gs://{gcs_bucket}/step-1", endpoint=gcs_emulator.endpoint))
+    # As for S3: the warm-up opens the other connections of the client's pool while .metadata is fetched.
+    with FaultProxy(gcs_emulator.endpoint, shaping=Shaping(latency=0.05)) as proxy:
+        reader = GCSReader(f"gs://{gcs_bucket}/step-1", endpoint=proxy.url, transfer=TransferConfig(concurrency=4))
+        assert _wait_for(lambda: proxy.snapshot().connections >= 3), proxy.snapshot()
+        before = proxy.snapshot().connections
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=reader)
+        after = proxy.snapshot()
+    assert before <= 4 and after.connections == before, (before, after)  # the load opened none
+    assert after.unplanned_errors == 0
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_a_writer_opens_its_connections_before_its_first_parallel_puts(moto_server: Any, s3_bucket: str) -> None:
     with FaultProxy(moto_server.endpoint_url, shaping=Shaping(latency=0.02)) as proxy:
         S3Writer(f"s3://{s3_bucket}/w", endpoint_url=proxy.url, transfer=TransferConfig(concurrency=3))
@@ -127,14 +146,20 @@ def test_a_writer_opens_its_connections_before_its_first_parallel_puts(moto_serv
         assert proxy.snapshot().connections <= 3  # and no more than its concurrency
 
 
-def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[str, str], backend: str) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    store = S3Store("bucket", S3Config(endpoint_url=f"http://127.0.0.1:{port}"), request_timeout=2.0)
+    endpoint = f"http://127.0.0.1:{port}"
+    store: Any
+    if backend == "s3":
+        store = S3Store("bucket", S3Config(endpoint_url=endpoint), request_timeout=2.0)
+    else:
+        store = GCSStore("bucket", GCSConfig(endpoint=endpoint), request_timeout=2.0)
     started = time.monotonic()
     store.warm(4)
     assert time.monotonic() - started < 0.5
     assert _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "dcp_cloud-warm"], 5.0)
-    with pytest.raises(TransientStoreError, match="endpoint"):  # the request reports what the warm-up swallowed
+    with pytest.raises(TransientStoreError, match="endpoint|connection to GCS"):  # what the warm-up swallowed
         store.head("k")

@@ -75,7 +75,7 @@ class CloudBase:
         return self._store
 
     def _warm(self) -> None:
-        """Let a store that can (S3 with the lean client) open the engine's connections in the background
+        """Let a store that can (S3 with the lean client, GCS) open the engine's connections in the background
         while the first request of a load or save (of .metadata) is on its way: the parallel requests after it
         then find them open instead of each paying a TCP (and TLS) handshake first. That request opens (or finds)
         the last of the ``concurrency`` connections."""

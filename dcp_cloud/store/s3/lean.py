@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from xml.sax.saxutils import escape
 
+from ..warmup import warm_pool
 from .config import S3Config
 from .s3xml import _NS, _XMLNS, _iso_time, _parse_xml, _text
 from .sigv4 import (
@@ -46,7 +47,6 @@ from .sigv4 import (
     sign,
     uri_encode_path,
 )
-from .warmup import warm_pool
 
 #: Environment variables under which botocore would route through a proxy (the lean client does not).
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")

@@ -1,4 +1,5 @@
-"""Opening a urllib3 pool's connections ahead of the requests that will use them (see LeanS3Client.warm)."""
+"""Opening a urllib3 pool's connections ahead of the requests that will use them (the lean S3 client's and
+the GCS client's pools: see ``S3Store.warm`` and ``GCSStore.warm``)."""
 
 from __future__ import annotations
 
