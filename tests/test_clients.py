@@ -161,5 +161,5 @@ def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[
     store.warm(4)
     assert time.monotonic() - started < 0.5
     assert _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "dcp_cloud-warm"], 5.0)
-    with pytest.raises(TransientStoreError, match="endpoint|connection to GCS"):  # what the warm-up swallowed
+    with pytest.raises(TransientStoreError, match="endpoint"):  # the request reports what the warm-up swallowed
         store.head("k")

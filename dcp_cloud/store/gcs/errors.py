@@ -91,7 +91,10 @@ def _translate(exc: BaseException, bucket: str, key: str | None, *, missing: str
 
     status = _http_status(exc)
     if status is None and isinstance(exc, _transient_types()):
-        return TransientStoreError(f"connection to GCS failed for {where} ({kind}); the request can be retried")
+        return TransientStoreError(
+            f"connection to GCS failed for {where} ({kind}): the network or the endpoint is unavailable; retry, "
+            "and check GCSConfig.endpoint / STORAGE_EMULATOR_HOST if it persists"
+        )
     if status is None:
         return StoreError(f"GCS request for {where} failed ({kind})")
 
