@@ -100,24 +100,29 @@ def _wait_for(predicate: Any, seconds: float = 10.0) -> bool:
     return predicate()
 
 
+def _load_sees_warm_connections(proxy: FaultProxy, reader: Any, state: dict[str, torch.Tensor]) -> None:
+    """``reader``, just made behind ``proxy`` with concurrency 4, has its other connections opened while its
+    first request is on its way, and the load opens none."""
+    assert _wait_for(lambda: proxy.snapshot().connections >= 3), proxy.snapshot()
+    before = proxy.snapshot().connections
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=reader)
+    after = proxy.snapshot()
+    assert before <= 4 and after.connections == before, (before, after)  # the load opened none
+    assert after.unplanned_errors == 0
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_a_reader_opens_its_connections_while_its_first_request_is_on_its_way(moto_server: Any, s3_bucket: str) -> None:
     state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
     dcp.save(state, storage_writer=S3Writer(f"s3://{s3_bucket}/step-1", endpoint_url=moto_server.endpoint_url))
-    transfer = TransferConfig(concurrency=4)
     # A handshake of 2 x 50 ms at the proxy: a client that opened connections one request at a time would
     # have one when the constructor's GET of .metadata returns; the warm-up opens three more meanwhile (the
     # GET may take one of them: connecting to the proxy itself is instant, its handshake delay comes after).
     with FaultProxy(moto_server.endpoint_url, shaping=Shaping(latency=0.05)) as proxy:
-        reader = S3Reader(f"s3://{s3_bucket}/step-1", endpoint_url=proxy.url, transfer=transfer)
+        reader = S3Reader(f"s3://{s3_bucket}/step-1", endpoint_url=proxy.url, transfer=TransferConfig(concurrency=4))
         assert proxy.snapshot().total_requests == 1  # the GET of .metadata
-        assert _wait_for(lambda: proxy.snapshot().connections >= 3), proxy.snapshot()
-        before = proxy.snapshot().connections
-        out = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(out, storage_reader=reader)
-        after = proxy.snapshot()
-    assert before <= 4 and after.connections == before, (before, after)  # the load opened none
-    assert after.unplanned_errors == 0
-    assert all(torch.equal(out[k], v) for k, v in state.items())
+        _load_sees_warm_connections(proxy, reader, state)
 
 
 def test_a_gcs_reader_opens_its_connections_while_its_first_request_is_on_its_way(
@@ -128,14 +133,7 @@ def test_a_gcs_reader_opens_its_connections_while_its_first_request_is_on_its_wa
     # As for S3: the warm-up opens the other connections of the client's pool while .metadata is fetched.
     with FaultProxy(gcs_emulator.endpoint, shaping=Shaping(latency=0.05)) as proxy:
         reader = GCSReader(f"gs://{gcs_bucket}/step-1", endpoint=proxy.url, transfer=TransferConfig(concurrency=4))
-        assert _wait_for(lambda: proxy.snapshot().connections >= 3), proxy.snapshot()
-        before = proxy.snapshot().connections
-        out = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(out, storage_reader=reader)
-        after = proxy.snapshot()
-    assert before <= 4 and after.connections == before, (before, after)  # the load opened none
-    assert after.unplanned_errors == 0
-    assert all(torch.equal(out[k], v) for k, v in state.items())
+        _load_sees_warm_connections(proxy, reader, state)
 
 
 def test_a_writer_opens_its_connections_before_its_first_parallel_puts(moto_server: Any, s3_bucket: str) -> None:
