@@ -39,3 +39,19 @@ def _open_one(pool: Any, conn: Any, timeout: float | None) -> None:
         pool._put_conn(None)  # give the slot back, as urllib3 does after a failed request
         return
     pool._put_conn(conn)
+
+
+def session_pool(session: Any, base_url: str) -> Any:
+    """The urllib3 pool through which ``session`` (a requests session) sends requests to ``base_url``, chosen
+    as requests chooses it for a request (TLS settings from the session and the environment); None when the
+    requests would go through a proxy, or requests is too old to say."""
+    import requests
+
+    settings = session.merge_environment_settings(base_url, {}, None, None, None)
+    if requests.utils.select_proxy(base_url, settings.get("proxies") or {}):
+        return None
+    adapter = session.get_adapter(base_url)
+    choose = getattr(adapter, "get_connection_with_tls_context", None)  # requests >= 2.32.2
+    if choose is None:
+        return None
+    return choose(requests.Request("GET", base_url).prepare(), settings["verify"], None, settings["cert"])

@@ -24,7 +24,7 @@ from ...errors import (
 from ..clients import shared_client
 from ..payload import Buffer, Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
 from ..protocol import ObjectInfo, PartLimits
-from ..warmup import warm_pool
+from ..warmup import session_pool, warm_pool
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
 from .config import GCSConfig, _require, _resolve_credentials
 from .copy import rewrite_object
@@ -230,7 +230,7 @@ class GCSStore(_CompositeUploads):
         (see :func:`~dcp_cloud.store.warmup.warm_pool`). Nothing is warmed through a proxy."""
         try:
             client = self._client_()
-            pool = _session_pool(client._http, client._connection.API_BASE_URL)
+            pool = session_pool(client._http, client._connection.API_BASE_URL)
         except Exception:  # noqa: BLE001 - the first request reports what is wrong
             return
         if pool is not None:
@@ -481,19 +481,3 @@ class GCSStore(_CompositeUploads):
         closes them)."""
         with self._lock:
             self._client, self._client_pid = None, None
-
-
-def _session_pool(session: Any, base_url: str) -> Any:
-    """The urllib3 pool through which ``session`` (a requests session) sends requests to ``base_url``, chosen
-    as requests chooses it for a request (TLS settings from the session and the environment); None when the
-    requests would go through a proxy, or requests is too old to say."""
-    import requests
-
-    settings = session.merge_environment_settings(base_url, {}, None, None, None)
-    if requests.utils.select_proxy(base_url, settings.get("proxies") or {}):
-        return None
-    adapter = session.get_adapter(base_url)
-    choose = getattr(adapter, "get_connection_with_tls_context", None)  # requests >= 2.32.2
-    if choose is None:
-        return None
-    return choose(requests.Request("GET", base_url).prepare(), settings["verify"], None, settings["cert"])
