@@ -17,6 +17,26 @@ _KEEP_GIL = 0
 _crc = crc32c.crc32c
 
 
+#: Checksum blocks per item that small items are cut into (see checksum_block_for).
+_BLOCKS_PER_ITEM = 256
+_MIN_BLOCK = 4096
+
+
+def checksum_block_for(nbytes: int, max_block: int) -> int:
+    """Checksum block size for an item of ``nbytes``: about 1/256 of it, a power of two in [4 KiB, max_block].
+
+    A verified ranged read is widened to whole blocks, so the waste per read
+    is at most two blocks; sizing blocks to the item keeps that under ~1% of
+    the item for items of any size, while large items keep ``max_block``
+    blocks and the metadata stays at most 1 KiB of CRCs per item below the cap.
+    """
+    target = max(nbytes // _BLOCKS_PER_ITEM, 1)
+    block = _MIN_BLOCK
+    while block < target and block < max_block:
+        block *= 2
+    return min(block, max(max_block, _MIN_BLOCK))
+
+
 class BlockHasher:
     """Per-block CRC32C of a byte stream fed in arbitrary pieces."""
 

@@ -37,7 +37,7 @@ from . import compression as _compression
 from . import framing, incremental
 from .backend import Backend
 from .base import CloudBase, log
-from .checksum import BlockHasher
+from .checksum import BlockHasher, checksum_block_for
 from .contenthash import digest as content_digest
 from .footer import FooterEntry
 from .footer import encode as encode_footer
@@ -79,26 +79,6 @@ def _item_nbytes(item: WriteItem) -> int:
     for s in item.tensor_data.size:
         numel *= s
     return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-#: Checksum blocks per item that small items are cut into (see checksum_block_for).
-_BLOCKS_PER_ITEM = 256
-_MIN_BLOCK = 4096
-
-
-def checksum_block_for(nbytes: int, max_block: int) -> int:
-    """Checksum block size for an item of ``nbytes``: about 1/256 of it, a power of two in [4 KiB, max_block].
-
-    A verified ranged read is widened to whole blocks, so the waste per read
-    is at most two blocks; sizing blocks to the item keeps that under ~1% of
-    the item for items of any size, while large items keep ``max_block``
-    blocks and the metadata stays at most 1 KiB of CRCs per item below the cap.
-    """
-    target = max(nbytes // _BLOCKS_PER_ITEM, 1)
-    block = _MIN_BLOCK
-    while block < target and block < max_block:
-        block *= 2
-    return min(block, max(max_block, _MIN_BLOCK))
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
