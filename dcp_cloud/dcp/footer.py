@@ -118,6 +118,22 @@ def fetch_all(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dic
     return dict(fetch_each(engine, wanted))
 
 
+def fetch_async(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dict[str, Future[dict[int, ItemExtras]]]:
+    """``key -> future of the footer`` of objects ``key -> (url, place)``: every GET is sent at once and the
+    worker that reads a footer decodes it. Reads sent after these may wait for them in their workers
+    (the pool takes work in order, so a footer is never queued behind a read that waits for it)."""
+    recorder = engine.recorder
+
+    def counted(nbytes: int) -> None:
+        recorder.add_read(nbytes)
+        recorder.add_index_read(nbytes)
+
+    return {
+        key: engine.submit(_read, engine.store, key, url, place, counted, recorder.on_retry)
+        for key, (url, place) in wanted.items()
+    }
+
+
 def fetch_each(
     engine: TransferEngine, wanted: dict[str, tuple[str, Any]]
 ) -> Iterator[tuple[str, dict[int, ItemExtras]]]:
@@ -126,40 +142,44 @@ def fetch_each(
 
     After a failed read nothing more is yielded; the first failure is raised once every read has ended.
     """
-    reads: dict[Future[None], tuple[str, str, int, bytearray]] = {}
-    for key, (url, place) in wanted.items():
-        start, length = place_of(place, url)
-        buf = bytearray(length)
-        reads[engine.read_at(key, start, [memoryview(buf)])] = (key, url, start, buf)
+    futures = {future: key for key, future in fetch_async(engine, wanted).items()}
     failure: BaseException | None = None
-    for future in as_completed(reads):
-        key, url, start, buf = reads[future]
+    for future in as_completed(futures):
         try:
-            future.result()
-        except (ObjectNotFoundError, CorruptCheckpointError) as exc:
-            failure = failure or _missing(exc, url, start, len(buf))
-            continue
+            footer = future.result()
         except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
             failure = failure or exc
             continue
         if failure is None:
-            engine.recorder.add_index_read(len(buf))
-            yield key, _decode_or_reread(engine.store, key, start, buf, url, engine.recorder.on_retry)
+            yield futures[future], footer
     if failure is not None:
         raise failure
 
 
-def _decode_or_reread(
+def fetch(store: ObjectStore, key: str, url: str, place: Any) -> dict[int, ItemExtras]:
+    """One object's footer, read with one request through ``store``."""
+    return _read(store, key, url, place)
+
+
+def _read(
     store: ObjectStore,
     key: str,
-    start: int,
-    buf: bytearray,
     url: str,
+    place: Any,
+    on_read: Callable[[int], None] | None = None,
     on_retry: Callable[[str, BaseException], None] | None = None,
 ) -> dict[int, ItemExtras]:
-    """Decode a footer; one that does not match its own CRC is read once more (it may have been damaged on
-    the way, not at rest) before it is called damaged."""
-    describe = f"of {url} (bytes {start}..{start + len(buf)})"
+    """Read and decode the footer of ``key`` at ``place``; one that does not match its own CRC is read once
+    more (it may have been damaged on the way, not at rest) before it is called damaged."""
+    start, length = place_of(place, url)
+    buf = bytearray(length)
+    try:
+        store.read_into(key, start, [memoryview(buf)])
+    except (ObjectNotFoundError, CorruptCheckpointError) as exc:
+        raise _missing(exc, url, start, length) from exc
+    if on_read is not None:
+        on_read(length)
+    describe = f"of {url} (bytes {start}..{start + length})"
     try:
         return decode(buf, describe)
     except CorruptCheckpointError as exc:
@@ -168,17 +188,6 @@ def _decode_or_reread(
             on_retry("read", exc)
         store.read_into(key, start, [memoryview(buf)])
         return decode(buf, describe)
-
-
-def fetch(store: ObjectStore, key: str, url: str, place: Any) -> dict[int, ItemExtras]:
-    """One object's footer, read with one request through ``store``."""
-    start, length = place_of(place, url)
-    buf = bytearray(length)
-    try:
-        store.read_into(key, start, [memoryview(buf)])
-    except (ObjectNotFoundError, CorruptCheckpointError) as exc:
-        raise _missing(exc, url, start, length) from exc
-    return _decode_or_reread(store, key, start, buf, url)
 
 
 def _missing(exc: BaseException, url: str, start: int, length: int) -> CorruptCheckpointError:
