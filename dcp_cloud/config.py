@@ -110,6 +110,12 @@ class TransferConfig:
     #: Verify CRC32C of every byte read against the checksums saved with the
     #: checkpoint (checkpoints written without checksums are read unverified).
     verify_checksums: bool = True
+    #: Send a load's first reads before the objects' index footers arrive,
+    #: at the offsets this torch's serializer and the block-size rule
+    #: predict, instead of one round trip later; each read is confirmed
+    #: against its footer (and checked against its CRCs) before its item is
+    #: used, and a wrong guess reads the load again from the footers.
+    speculative_reads: bool = True
     #: Refuse objects larger than this many bytes (S3's object limit is 5 TiB).
     max_object_size: int = 5 * 1024 * 1024 * MiB
 

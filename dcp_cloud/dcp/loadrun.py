@@ -11,6 +11,8 @@ complete. Gaps between items (torch.save framing, items nobody asked for)
 land in one small discard buffer. Each request verifies the blocks of every
 item it holds, in the worker that read it; a mismatching block is read once
 more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names the item.
+An item planned from guessed extras (:mod:`.prediction`) is confirmed by the
+same check, against its footer, before it is verified or committed.
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
 one request each, as before.
@@ -35,7 +37,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
@@ -44,8 +45,10 @@ from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
+from .chunks import ChunkIndex
 from .commit import commit, commit_whole
 from .layout import ItemExtras
+from .prediction import Guess
 from .readplan import FRAMING_GAP, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
 
@@ -66,7 +69,7 @@ class _Item:
     """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
 
     __slots__ = (
-        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
+        "base", "confirm", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
         "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
     )  # fmt: skip
 
@@ -92,6 +95,8 @@ class _Item:
         self.base = base
         self.extras = extras
         self.verify = verify
+        #: For guessed extras: waits for the object's footer, returns the real extras or raises GuessMiss.
+        self.confirm = extras.confirm if isinstance(extras, Guess) else None
         #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
         #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
         self.sink: torch.Tensor | None = None
@@ -118,39 +123,6 @@ class _Item:
         return out
 
 
-class ChunkIndex:
-    """Shape and dtype of a saved chunk, found from a ReadItem without walking every chunk.
-
-    The planner's ``storage_index.index`` is the chunk's position in its
-    tensor's chunk list (torch sets it when it plans the read); that is tried
-    first, then the tensor's chunks are indexed by offsets once. A rank thus
-    pays for the tensors it reads, not for the millions of chunks of a
-    thousands-of-ranks checkpoint.
-    """
-
-    def __init__(self, state_dict_metadata: dict[str, Any]) -> None:
-        self._md = state_dict_metadata
-        self._by_offsets: dict[str, dict[tuple[int, ...], Any]] = {}
-
-    def lookup(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-        md = self._md.get(index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            return None
-        offsets = tuple(index.offset or ())
-        chunks = md.chunks
-        hint = index.index
-        if isinstance(hint, int) and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
-            chunk = chunks[hint]
-        else:
-            table = self._by_offsets.get(index.fqn)
-            if table is None:
-                table = self._by_offsets[index.fqn] = {tuple(c.offsets): c for c in chunks}
-            chunk = table.get(offsets)
-            if chunk is None:
-                return None
-        return tuple(chunk.sizes), md.properties.dtype
-
-
 class LoadRun:
     """Reads of one load plan through one engine (see the module docstring)."""
 
@@ -172,6 +144,8 @@ class LoadRun:
         self.pending: deque[_Pending] = deque()
         self._discard = memoryview(bytearray(0))
         self._reserved = 0
+        #: Bytes of the budget this run holds (every lease not yet returned).
+        self._held = 0
         # The request being built: object bytes [_b_start, _b_end) of _b_key.
         self._b_key = ""
         self._b_url = ""
@@ -188,10 +162,23 @@ class LoadRun:
             self.land(self.pending.popleft())
 
     def abandon(self) -> None:
-        """After a failure: let reads in flight end before their buffers go."""
+        """After a failure: let reads in flight end before their buffers go, then return every lease.
+
+        The run is empty afterwards and can read again (after a GuessMiss).
+        """
         for job in self.pending:
             for fut in job.futures:
                 fut.exception()
+        self.pending.clear()
+        self._b_outs, self._b_checks, self._b_done = [], [], []
+        self._give(self._held)
+        self._reserved = 0
+        self._discard = memoryview(bytearray(0))
+
+    def _give(self, nbytes: int) -> None:
+        """Return ``nbytes`` of this run's leases to the budget."""
+        self._held -= nbytes
+        self.engine.budget.release(nbytes)
 
     def land(self, job: _Pending) -> None:
         try:
@@ -203,7 +190,7 @@ class LoadRun:
                 raise
             raise type(exc)(f"{exc} (while reading {job.what})") from exc
         finally:
-            self.engine.budget.release(job.lease)
+            self._give(job.lease)
 
     def lease(self, nbytes: int) -> int:
         """Take up to ``nbytes`` of the budget, landing (or sending) earlier reads while it is spent.
@@ -222,6 +209,7 @@ class LoadRun:
                 break
         grant = max(0, min(nbytes, budget.capacity - self._reserved))
         budget.acquire(grant)
+        self._held += grant
         return grant
 
     # -- whole items (stock-written tensors, bytes) ------------------------
@@ -255,12 +243,15 @@ class LoadRun:
         self, key: str, base: int, extras: ItemExtras, what: str
     ) -> Callable[[int, list[memoryview]], None]:
         def check(offset: int, outs: list[memoryview]) -> None:
+            real = extras.confirm() if isinstance(extras, Guess) else extras
+            if not real.block_size:
+                return
             pieces = []
             pos = offset
             for view in outs:
                 pieces.append((pos, view))
                 pos += len(view)
-            self._verify(key, base, extras, what, pieces)
+            self._verify(key, base, real, what, pieces)
 
         return check
 
@@ -358,7 +349,7 @@ class LoadRun:
         assert item.target is not None
         if item.sink is None:
             commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
-        self.engine.budget.release(item.lease)
+        self._give(item.lease)
         item.target = item.dest = None
         item.fills = []
 
@@ -407,7 +398,7 @@ class LoadRun:
 
     def close(self) -> None:
         """Return the discard buffer's lease (after :meth:`drain`)."""
-        self.engine.budget.release(self._reserved)
+        self._give(self._reserved)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
 
@@ -423,7 +414,7 @@ class LoadRun:
                 gap -= n
         views = item.views(start, end)
         outs.extend(views)
-        if item.verify:
+        if item.verify or item.confirm is not None:
             self._b_checks.append((item, start, views))
         self._b_end = end
         if end == item.end:
@@ -440,12 +431,15 @@ class LoadRun:
 
         def check(offset: int, views: list[memoryview]) -> None:
             for item, item_start, item_views in checks:
+                extras = item.extras if item.confirm is None else item.confirm()
+                if not (item.verify and extras.block_size):
+                    continue
                 pieces = []
                 pos = item_start - item.base
                 for view in item_views:
                     pieces.append((pos, view))
                     pos += len(view)
-                self._verify(key, item.base, item.extras, item.what, pieces)
+                self._verify(key, item.base, extras, item.what, pieces)
 
         def finish() -> None:
             for item in done:

@@ -21,9 +21,13 @@ byte runs inside the stored tensor bytes (row-major layout math), widens them
 to whole checksum blocks when verifying, and packs the runs of all items of
 an object into few ranged GETs whose bodies are scattered straight into the
 destination tensors (see :mod:`dcp_cloud.dcp.loadrun` and
-:mod:`dcp_cloud.dcp.readplan`). Items written by stock torch carry no raw
-offsets: they are read whole and sliced, as stock torch does; so are
-compressed items (torch's ZStandard extension, see :mod:`.compression`).
+:mod:`dcp_cloud.dcp.readplan`). Those reads leave together with the GETs of
+the objects' index footers, from the raw offsets and block sizes the
+footers are expected to hold; each is confirmed against its footer before
+its item is used (see :mod:`dcp_cloud.dcp.prediction`). Items written by
+stock torch carry no raw offsets: they are read whole and sliced, as stock
+torch does; so are compressed items (torch's ZStandard extension, see
+:mod:`.compression`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -46,11 +51,13 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotF
 from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
 from .backend import Backend
 from .base import CloudBase, log
+from .chunks import ChunkIndex
 from .compression import check_descriptors
-from .footer import fetch_all, fetch_each
+from .footer import fetch_all, fetch_async, fetch_each
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
-from .loadrun import ChunkIndex, LoadRun
+from .loadrun import LoadRun
 from .metashare import broadcast_bytes, sharing_group
+from .prediction import GuessMiss, confirmed, guess
 from .sharedreads import Exchange
 
 
@@ -80,6 +87,8 @@ class CloudReader(CloudBase, StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self._chunks = ChunkIndex({})
         self._footers: dict[str, Any] | None = None
+        #: Send the first reads before the footers arrive (see :mod:`.prediction`); off after a wrong guess.
+        self._guessing = self.transfer.speculative_reads
         self._metadata: Metadata | None = None
         self._metadata_error: BaseException | None = None
         #: ``.metadata`` as fetched by the constructor of the rank that shares it, until read_metadata sends it.
@@ -245,8 +254,17 @@ class CloudReader(CloudBase, StorageReader):
 
     def _read_own(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
         try:
-            self._start(run, records)
-            run.drain()
+            try:
+                self._start(run, records, self._guessing)
+                run.drain()
+            except GuessMiss as miss:
+                # Items whose guesses held may have been handed to the planner: they are read and
+                # committed again, with the same bytes.
+                run.abandon()
+                self._guessing = False
+                log.warning("%s; reading the load again from the index footers", miss)
+                self._start(run, records, False)
+                run.drain()
             run.close()
         finally:
             run.abandon()
@@ -285,9 +303,10 @@ class CloudReader(CloudBase, StorageReader):
 
         Exchange(group, schedule, run, mine, extras, self.uri.key).run_all(error)
 
-    def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
-        """Start the reads of every object, each as soon as its own index footer is in: the footers are
-        fetched in parallel, and an object's reads do not wait for the footers of the others."""
+    def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]], guessing: bool) -> None:
+        """Start the reads of every object. The footers are fetched in parallel; ``guessing``, every object's
+        reads start at once from guessed extras (see :mod:`.prediction`), else each object's as soon as its
+        own footer is in (an object's reads do not wait for the footers of the others)."""
         by_key: dict[str, tuple[str, list[tuple[Any, ReadItem]]]] = {}
         for info, req in records:
             key = self.uri.key(info.relative_path)
@@ -296,12 +315,17 @@ class CloudReader(CloudBase, StorageReader):
             by_key[key][1].append((info, req))
         if self._footers is None:  # format 1: the extras are in the records
             for key, (url, recs) in by_key.items():
-                self._start_object(run, key, url, recs, {})
+                self._start_object(run, key, url, recs, None)
             return
         wanted = self._footer_places(records, {key: url for key, (url, _) in by_key.items()})
+        if guessing:
+            pending = fetch_async(run.engine, wanted)  # sent before any data read (see fetch_async)
+            for key, (url, recs) in by_key.items():
+                self._start_object(run, key, url, recs, pending[key])
+            return
         for key, footer in fetch_each(run.engine, wanted):
             url, recs = by_key[key]
-            self._start_object(run, key, url, recs, {key: footer})
+            self._start_object(run, key, url, recs, _done(footer))
 
     def _start_object(
         self,
@@ -309,13 +333,14 @@ class CloudReader(CloudBase, StorageReader):
         key: str,
         url: str,
         records: list[tuple[Any, ReadItem]],
-        footers: dict[str, dict[int, ItemExtras]],
+        footer: Future[dict[int, ItemExtras]] | None,
     ) -> None:
-        """Start the reads of the items ``records`` (sorted by offset) of object ``key``."""
+        """Start the reads of the items ``records`` (sorted by offset) of object ``key``; ``footer``: its
+        index footer, perhaps still on its way (None: format 1, the extras are in the records)."""
         coalesced: list[Any] = []
         for info, req in records:
             what = f"{req.storage_index.fqn!r} from {url}"
-            extras = self._extras(footers, key, info, what)
+            extras = self._extras_or_guess(footer, key, info, req, what)
             descs = transform_descriptors(info)
             if descs:  # compressed: read whole, checked against the stored bytes, then decoded
                 check_descriptors(descs, what)
@@ -355,6 +380,31 @@ class CloudReader(CloudBase, StorageReader):
             wanted[key] = (url, place)
         return wanted
 
+    def _extras_or_guess(
+        self, footer: Future[dict[int, ItemExtras]] | None, key: str, info: Any, req: ReadItem, what: str
+    ) -> ItemExtras | None:
+        """An item's extras: from its record (format 1), from the footer once it is in, else guessed (waiting
+        for the footer only where the item cannot be guessed)."""
+        if footer is None:
+            return extras_of(info)
+        if not footer.done():
+
+            def confirm() -> ItemExtras:
+                real = self._extras({key: footer.result()}, key, info, what)
+                assert real is not None
+                return confirmed(guessed, real, what)
+
+            index = req.storage_index
+            if req.type == LoadItemType.BYTE_IO:
+                chunk, nbytes, whole = None, 0, True
+            else:
+                chunk, nbytes = self._chunks.lookup(index), self._chunks.tensor_nbytes(index) or 0
+                whole = bool(transform_descriptors(info))
+            guessed = guess(info, chunk, nbytes, whole, self.transfer.checksum_block_size, confirm)
+            if guessed is not None:
+                return guessed
+        return self._extras({key: footer.result()}, key, info, what)
+
     def _extras(self, footers: dict[str, dict[int, ItemExtras]], key: str, info: Any, what: str) -> ItemExtras | None:
         """What we recorded about one item: from its object's footer (format 2) or its record (format 1)."""
         if self._footers is None:
@@ -375,3 +425,10 @@ class CloudReader(CloudBase, StorageReader):
                 f"{self.checkpoint_id}: the metadata has no storage record for {req.storage_index.fqn!r}; "
                 "the checkpoint is incomplete or corrupted"
             ) from None
+
+
+def _done(footer: dict[int, ItemExtras]) -> Future[dict[int, ItemExtras]]:
+    """A footer already in, as the future :meth:`CloudReader._start_object` takes."""
+    future: Future[dict[int, ItemExtras]] = Future()
+    future.set_result(footer)
+    return future

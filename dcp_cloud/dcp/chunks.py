@@ -1,0 +1,51 @@
+"""Shape and dtype of a saved chunk, and size of its tensor, found from a ReadItem without walking every chunk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+
+class ChunkIndex:
+    """Shape and dtype of a saved chunk, found from a ReadItem without walking every chunk.
+
+    The planner's ``storage_index.index`` is the chunk's position in its
+    tensor's chunk list (torch sets it when it plans the read); that is tried
+    first, then the tensor's chunks are indexed by offsets once. A rank thus
+    pays for the tensors it reads, not for the millions of chunks of a
+    thousands-of-ranks checkpoint.
+    """
+
+    def __init__(self, state_dict_metadata: dict[str, Any]) -> None:
+        self._md = state_dict_metadata
+        self._by_offsets: dict[str, dict[tuple[int, ...], Any]] = {}
+
+    def lookup(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+        md = self._md.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        offsets = tuple(index.offset or ())
+        chunks = md.chunks
+        hint = index.index
+        if isinstance(hint, int) and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
+            chunk = chunks[hint]
+        else:
+            table = self._by_offsets.get(index.fqn)
+            if table is None:
+                table = self._by_offsets[index.fqn] = {tuple(c.offsets): c for c in chunks}
+            chunk = table.get(offsets)
+            if chunk is None:
+                return None
+        return tuple(chunk.sizes), md.properties.dtype
+
+    def tensor_nbytes(self, index: Any) -> int | None:
+        """Bytes of the whole tensor (all chunks) a ReadItem reads from; None: not a tensor."""
+        md = self._md.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        nbytes = torch._utils._element_size(md.properties.dtype)
+        for n in md.size:
+            nbytes *= n
+        return nbytes

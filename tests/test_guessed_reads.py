@@ -1,0 +1,323 @@
+"""A load's first reads go out with the objects' index footers, from guessed extras (dcp_cloud.dcp.prediction).
+
+The guesses are checked here against what the writer records, every read is
+shown to leave before any footer is in, and a wrong guess (another block size,
+another raw offset), a damaged or missing footer, are each shown to end in
+the right bytes or a typed error, with checksums verified against the real
+footer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import dcp_cloud
+from dcp_cloud import RetryConfig, S3Reader, S3Writer, TransferConfig
+from dcp_cloud.dcp import prediction
+from dcp_cloud.dcp.chunks import ChunkIndex
+from dcp_cloud.dcp.footer import fetch
+from dcp_cloud.dcp.layout import ItemExtras, footer_table, load_metadata, transform_descriptors
+from dcp_cloud.dcp.reader import CloudReader
+from dcp_cloud.dcp.writer import CloudWriter
+from dcp_cloud.store.memory import MemoryStore
+from dcp_cloud.store.wrapper import StoreWrapper
+from dcp_cloud.testing.backends import StoreBackend
+from dcp_cloud.testing.faults import flip_byte
+from dcp_cloud.testing.proxy import FaultPlan, FaultProxy, RequestInfo, Shaping
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+KiB = 1024
+MiB = 1024 * KiB
+URI = "memory://bkt/g"
+PREFIX = "g"
+FAST_RETRY = RetryConfig(max_attempts=3, initial_backoff=0.0, max_backoff=0.0)
+AGAIN = "reading the load again from the index footers"
+
+
+def _state() -> dict[str, Any]:
+    """Every kind of item the writer stores: tensors of many dtypes and shapes, views, bytes items."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 96, generator=g)
+    return {
+        "big": torch.randn(2048, 1024, generator=g),  # 8 MiB: blocks at the cap
+        "odd": torch.randn(1001, 515, generator=g),
+        "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "half3d": torch.randn(3, 5, 7, generator=g).half(),
+        "scalar": torch.tensor(11, dtype=torch.int64),
+        "flags": torch.rand(100, generator=g) > 0.5,
+        "cplx": torch.randn(9, 9, dtype=torch.complex64, generator=g),
+        "fp8": torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn),
+        "column": base[:, 3:40],  # not contiguous: stored as a contiguous copy
+        "rows": base[10:20],  # a view with a storage offset: stored as exactly its bytes
+        "param": torch.nn.Parameter(torch.randn(17, generator=g)),
+        "empty": torch.zeros(3, 0),
+        "extra": {"step": 5, "names": ["a", "b"]},  # a bytes item
+    }
+
+
+def _blank(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v.detach())
+        else:
+            out[k] = {"step": 0, "names": []}
+    return out
+
+
+def _assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    for k, e in expected.items():
+        a = actual[k]
+        if isinstance(e, torch.Tensor):
+            e = e.detach()
+            assert a.dtype == e.dtype and a.shape == e.shape, k
+            assert torch.equal(a.reshape(-1).view(torch.uint8), e.contiguous().reshape(-1).view(torch.uint8)), k
+        else:
+            assert a == e, k
+
+
+def _save(store: Any, state: dict[str, Any], transfer: TransferConfig | None = None, **kw: Any) -> None:
+    dcp_cloud.save(
+        state, storage_writer=CloudWriter(URI, StoreBackend(store), transfer=transfer, retry=FAST_RETRY, **kw)
+    )
+
+
+def _load(store: Any, target: dict[str, Any], transfer: TransferConfig | None = None) -> CloudReader:
+    reader = CloudReader(URI, StoreBackend(store), transfer=transfer, retry=FAST_RETRY, share_reads=False)
+    dcp_cloud.load(target, storage_reader=reader)
+    return reader
+
+
+def _footer_places(store: Any) -> dict[str, tuple[int, int]]:
+    """Object key -> (offset, length) of its index footer."""
+    metadata = load_metadata(store.get(f"{PREFIX}/.metadata"), URI)
+    return {f"{PREFIX}/{rel}": tuple(place) for rel, place in (footer_table(metadata) or {}).items()}
+
+
+class SlowFooters(StoreWrapper):
+    """Reads of index footers take ``delay`` seconds; records when each read starts and each footer lands."""
+
+    def __init__(self, inner: Any, places: dict[str, tuple[int, int]], delay: float) -> None:
+        super().__init__(inner)
+        self.footers = {(key, start) for key, (start, _) in places.items()}
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.data_starts: list[float] = []
+        self.footers_in: list[float] = []
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        if (key, start) in self.footers:
+            time.sleep(self.delay)
+            self.inner.read_into(key, start, outs)
+            with self.lock:
+                self.footers_in.append(time.monotonic())
+            return
+        with self.lock:
+            self.data_starts.append(time.monotonic())
+        self.inner.read_into(key, start, outs)
+
+
+# ------------------------------------------------------------------------------------------ the guesses
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_every_guess_is_what_the_writer_recorded(compression: str | None) -> None:
+    """For every item of every kind the writer stores, the guess from the metadata alone equals the footer's
+    record, except the empty uncompressed tensor (nothing to place), which is not guessed."""
+    mem = MemoryStore()
+    _save(mem, _state(), compression=compression)
+    metadata = load_metadata(mem.get(f"{PREFIX}/.metadata"), URI)
+    chunks = ChunkIndex(metadata.state_dict_metadata)
+    places = footer_table(metadata)
+    assert places
+    checked = 0
+    unguessed = set()
+    for index, info in metadata.storage_data.items():
+        key = f"{PREFIX}/{info.relative_path}"
+        real = fetch(mem, key, key, places[info.relative_path])[info.offset]
+        md = metadata.state_dict_metadata[index.fqn]
+        is_tensor = isinstance(md, TensorStorageMetadata)
+        chunk = chunks.lookup(index) if is_tensor else None
+        nbytes = chunks.tensor_nbytes(index) if is_tensor else 0
+        whole = not is_tensor or bool(transform_descriptors(info))
+        guessed = prediction.guess(
+            info, chunk, nbytes or 0, whole, TransferConfig().checksum_block_size, lambda r=real: r
+        )
+        if guessed is None:
+            unguessed.add(index.fqn)
+            continue
+        assert (guessed.raw_offset, guessed.checked_length, guessed.block_size) == (
+            real.raw_offset,
+            real.checked_length,
+            real.block_size,
+        ), index.fqn
+        assert prediction.confirmed(guessed, real, index.fqn) is real
+        checked += 1
+    assert unguessed == (set() if compression else {"empty"})  # compressed, it is stored whole
+    assert checked == len(metadata.storage_data) - len(unguessed)
+
+
+def test_a_guess_is_refused_where_the_footer_disagrees() -> None:
+    real = ItemExtras(704, 4096, 4096, b"\0" * 4)
+    ok = prediction.Guess(704, 4096, 4096, b"", lambda: real)
+    assert prediction.confirmed(ok, real, "x") is real
+    # no checksums stored: the block size cuts nothing that is verified
+    unchecked = ItemExtras(704, 4096, 0, b"")
+    assert prediction.confirmed(ok, unchecked, "x") is unchecked
+    for wrong in ((768, 4096, 4096), (704, 4000, 4096), (704, 4096, 8192), (None, 4096, 4096)):
+        with pytest.raises(prediction.GuessMiss, match="'t' from u: the index footer records"):
+            prediction.confirmed(prediction.Guess(*wrong, b"", lambda: real), real, "'t' from u")
+
+
+# ------------------------------------------------------------------------------------------ loads
+
+
+def _guessed_load(
+    store: Any, transfer: TransferConfig | None = None, delay: float = 0.3
+) -> tuple[CloudReader, SlowFooters, dict[str, Any]]:
+    slow = SlowFooters(store, _footer_places(store), delay)
+    target = _blank(_state())
+    return _load(slow, target, transfer), slow, target
+
+
+def test_every_read_leaves_before_any_footer_is_in(caplog: pytest.LogCaptureFixture) -> None:
+    """With footers that take 0.3 s, every data read of the load starts before the first footer lands, the
+    bytes are right, and the load reads exactly what a load that waits for the footers reads."""
+    mem = MemoryStore()
+    state = _state()
+    _save(mem, state)
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        reader, slow, target = _guessed_load(mem)
+    _assert_same(target, state)
+    assert AGAIN not in caplog.text
+    assert slow.data_starts and slow.footers_in
+    assert max(slow.data_starts) < min(slow.footers_in), "a data read waited for a footer"
+    waited = _load(mem, _blank(state), TransferConfig(speculative_reads=False))
+    assert reader.stats.bytes_read == waited.stats.bytes_read
+    assert reader.stats.index_bytes_read == waited.stats.index_bytes_read > 0
+    assert reader.stats.requests == waited.stats.requests
+
+
+def test_without_guesses_no_read_leaves_before_its_footer() -> None:
+    """The switch works: ``speculative_reads=False`` sends an object's reads after its footer."""
+    mem = MemoryStore()
+    state = _state()
+    _save(mem, state)
+    _, slow, target = _guessed_load(mem, TransferConfig(speculative_reads=False), delay=0.1)
+    _assert_same(target, state)
+    assert min(slow.data_starts) > min(slow.footers_in)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_wrong_block_size_guess_is_read_again(verify: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Saved with 16 KiB blocks and loaded with the default cap, every large item's block is guessed wrong:
+    the load warns, reads again from the footers and lands the right bytes (verified when asked); the reader
+    stops guessing for later loads, and the budget is whole again."""
+    mem = MemoryStore()
+    state = _state()
+    _save(mem, state, TransferConfig(checksum_block_size=16 * KiB))
+    transfer = TransferConfig(verify_checksums=verify, part_size=1 * MiB, max_inflight_parts=4)
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        reader, _, target = _guessed_load(mem, transfer)
+    _assert_same(target, state)
+    assert caplog.text.count(AGAIN) == 1 and "blocks of 16384; guessed" in caplog.text
+    once = _load(mem, _blank(state), TransferConfig(verify_checksums=verify, speculative_reads=False))
+    assert once.stats.bytes_read < reader.stats.bytes_read <= 2 * once.stats.bytes_read
+    assert reader.stats.peak_buffer_bytes <= transfer.memory_budget
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        reader.reset(URI)
+        again = _blank(state)
+        dcp_cloud.load(again, storage_reader=reader)
+    _assert_same(again, state)
+    assert AGAIN not in caplog.text
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_wrong_raw_offset_guess_is_read_again(
+    verify: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torch whose framing puts the raw bytes 64 bytes later (same stored length): the guessed reads land the
+    wrong bytes, the footer says so before any item is used, and the load is read again, right."""
+    mem = MemoryStore()
+    state = _state()
+    _save(mem, state)
+    real_framing = prediction._framing
+
+    def shifted(dtype: torch.dtype, shape: tuple[int, ...], alignment: int) -> tuple[int, int] | None:
+        found = real_framing(dtype, shape, alignment)
+        return None if found is None else (found[0] + 64, found[1])
+
+    monkeypatch.setattr(prediction, "_framing", shifted)
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        _, _, target = _guessed_load(mem, TransferConfig(verify_checksums=verify))
+    _assert_same(target, state)
+    assert caplog.text.count(AGAIN) == 1 and "guessed 768" in caplog.text
+
+
+def test_a_damaged_or_missing_footer_fails_the_guessed_reads_typed() -> None:
+    """A footer that arrives damaged, or not at all, while the guessed reads are out: the typed errors a load
+    that waits for its footers raises, naming the footer, in well under the footers' delay times two."""
+    mem = MemoryStore()
+    state = _state()
+    _save(mem, state)
+    places = _footer_places(mem)
+    key, (start, length) = next(iter(places.items()))
+    body = mem.get(key)
+    flip_byte(mem, key, start + length // 2)
+    began = time.monotonic()
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
+        _guessed_load(mem, delay=0.3)
+    assert "damaged" in str(caught.value) and key in str(caught.value)
+    mem.put(key, body[: start + length // 2])  # cut inside the footer
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
+        _guessed_load(mem, delay=0.3)
+    assert "missing" in str(caught.value) and "truncated" in str(caught.value)
+    assert time.monotonic() - began < 10
+
+
+# ------------------------------------------------------------------------------------------ over the wire
+
+
+def test_over_s3_the_data_gets_leave_with_the_footer_gets(
+    moto_server: Any, moto_s3_client: Any, s3_bucket: str
+) -> None:
+    """Behind a proxy adding 100 ms each way, a load's first data GET reaches the server less than one way's
+    delay after the first footer GET: sent with it, not a round trip after it."""
+    state = {f"t{i}": torch.randn(256, 256) for i in range(6)}
+    uri = f"s3://{s3_bucket}/guessed"
+    dcp.save(state, storage_writer=S3Writer(uri, endpoint_url=moto_server.endpoint_url))
+    body = moto_s3_client.get_object(Bucket=s3_bucket, Key="guessed/.metadata")["Body"].read()
+    metadata = load_metadata(body, uri)
+    footer_starts = {place[0] for place in (footer_table(metadata) or {}).values()}
+    seen: list[tuple[float, bool]] = []
+    lock = threading.Lock()
+
+    def spy(request: RequestInfo) -> bool:  # records every ranged GET, faults none
+        rng = request.headers.get("range", "")
+        if request.method == "GET" and rng.startswith("bytes="):
+            start = int(rng[len("bytes=") :].split("-")[0])
+            with lock:
+                seen.append((time.monotonic(), start in footer_starts))
+        return False
+
+    plan = FaultPlan(error_500=1.0, when=spy)
+    with FaultProxy(moto_server.endpoint_url, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=S3Reader(uri, endpoint_url=proxy.url))
+        assert proxy.snapshot().unplanned_errors == 0
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    footers = [t for t, is_footer in seen if is_footer]
+    data = [t for t, is_footer in seen if not is_footer]
+    assert footers and data
+    assert min(data) - min(footers) < 0.1, seen
