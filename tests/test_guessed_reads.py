@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import dcp_cloud
-from dcp_cloud import RetryConfig, S3Reader, S3Writer, TransferConfig
+from dcp_cloud import GCSReader, GCSWriter, RetryConfig, S3Reader, S3Writer, TransferConfig
 from dcp_cloud.dcp import prediction
 from dcp_cloud.dcp.chunks import ChunkIndex
 from dcp_cloud.dcp.footer import fetch
@@ -289,16 +289,31 @@ def test_a_damaged_or_missing_footer_fails_the_guessed_reads_typed() -> None:
 # ------------------------------------------------------------------------------------------ over the wire
 
 
-def test_over_s3_the_data_gets_leave_with_the_footer_gets(
-    moto_server: Any, moto_s3_client: Any, s3_bucket: str
-) -> None:
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, request: pytest.FixtureRequest) -> None:
     """Behind a proxy adding 100 ms each way, a load's first data GET reaches the server less than one way's
-    delay after the first footer GET: sent with it, not a round trip after it."""
+    delay after the first footer GET: sent with it, not a round trip after it (S3 on moto, GCS on its
+    emulator)."""
+    if backend == "s3":
+        upstream = request.getfixturevalue("moto_server").endpoint_url
+        uri = f"s3://{request.getfixturevalue('s3_bucket')}/guessed"
+        store = request.getfixturevalue("s3_store")
+        writer = S3Writer(uri, endpoint_url=upstream)
+
+        def reader(url: str) -> Any:
+            return S3Reader(uri, endpoint_url=url)
+    else:
+        upstream = request.getfixturevalue("gcs_emulator").endpoint
+        uri = f"gs://{request.getfixturevalue('gcs_bucket')}/guessed"
+        store = request.getfixturevalue("gcs_store")
+        writer = GCSWriter(uri, endpoint=upstream)
+
+        def reader(url: str) -> Any:
+            return GCSReader(uri, endpoint=url)
+
     state = {f"t{i}": torch.randn(256, 256) for i in range(6)}
-    uri = f"s3://{s3_bucket}/guessed"
-    dcp.save(state, storage_writer=S3Writer(uri, endpoint_url=moto_server.endpoint_url))
-    body = moto_s3_client.get_object(Bucket=s3_bucket, Key="guessed/.metadata")["Body"].read()
-    metadata = load_metadata(body, uri)
+    dcp.save(state, storage_writer=writer)
+    metadata = load_metadata(store.get("guessed/.metadata"), uri)
     footer_starts = {place[0] for place in (footer_table(metadata) or {}).values()}
     seen: list[tuple[float, bool]] = []
     lock = threading.Lock()
@@ -312,9 +327,9 @@ def test_over_s3_the_data_gets_leave_with_the_footer_gets(
         return False
 
     plan = FaultPlan(error_500=1.0, when=spy)
-    with FaultProxy(moto_server.endpoint_url, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
+    with FaultProxy(upstream, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
         out = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(out, storage_reader=S3Reader(uri, endpoint_url=proxy.url))
+        dcp.load(out, storage_reader=reader(proxy.url))
         assert proxy.snapshot().unplanned_errors == 0
     assert all(torch.equal(out[k], v) for k, v in state.items())
     footers = [t for t, is_footer in seen if is_footer]
