@@ -289,27 +289,23 @@ def test_a_damaged_or_missing_footer_fails_the_guessed_reads_typed() -> None:
 # ------------------------------------------------------------------------------------------ over the wire
 
 
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
+#: backend -> (server fixture, its endpoint attribute, bucket fixture, store fixture, writer, reader, endpoint keyword)
+_WIRE: dict[str, tuple[str, str, str, str, Any, Any, str]] = {
+    "s3": ("moto_server", "endpoint_url", "s3_bucket", "s3_store", S3Writer, S3Reader, "endpoint_url"),
+    "gcs": ("gcs_emulator", "endpoint", "gcs_bucket", "gcs_store", GCSWriter, GCSReader, "endpoint"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(_WIRE))
 def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, request: pytest.FixtureRequest) -> None:
     """Behind a proxy adding 100 ms each way, a load's first data GET reaches the server less than one way's
     delay after the first footer GET: sent with it, not a round trip after it (S3 on moto, GCS on its
     emulator)."""
-    if backend == "s3":
-        upstream = request.getfixturevalue("moto_server").endpoint_url
-        uri = f"s3://{request.getfixturevalue('s3_bucket')}/guessed"
-        store = request.getfixturevalue("s3_store")
-        writer = S3Writer(uri, endpoint_url=upstream)
-
-        def reader(url: str) -> Any:
-            return S3Reader(uri, endpoint_url=url)
-    else:
-        upstream = request.getfixturevalue("gcs_emulator").endpoint
-        uri = f"gs://{request.getfixturevalue('gcs_bucket')}/guessed"
-        store = request.getfixturevalue("gcs_store")
-        writer = GCSWriter(uri, endpoint=upstream)
-
-        def reader(url: str) -> Any:
-            return GCSReader(uri, endpoint=url)
+    server, address, bucket, store_fixture, writer_cls, reader_cls, keyword = _WIRE[backend]
+    upstream = getattr(request.getfixturevalue(server), address)
+    uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/guessed"
+    store = request.getfixturevalue(store_fixture)
+    writer = writer_cls(uri, **{keyword: upstream})
 
     state = {f"t{i}": torch.randn(256, 256) for i in range(6)}
     dcp.save(state, storage_writer=writer)
@@ -329,7 +325,7 @@ def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, re
     plan = FaultPlan(error_500=1.0, when=spy)
     with FaultProxy(upstream, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
         out = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(out, storage_reader=reader(proxy.url))
+        dcp.load(out, storage_reader=reader_cls(uri, **{keyword: proxy.url}))
         assert proxy.snapshot().unplanned_errors == 0
     assert all(torch.equal(out[k], v) for k, v in state.items())
     footers = [t for t, is_footer in seen if is_footer]
