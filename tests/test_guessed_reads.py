@@ -332,3 +332,23 @@ def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, re
     data = [t for t, is_footer in seen if not is_footer]
     assert footers and data
     assert min(data) - min(footers) < 0.1, seen
+
+
+def test_an_abandoned_run_returns_every_lease() -> None:
+    """After a wrong guess the run is abandoned and read again on the same engine: abandon() must hand back
+    every byte it leased (scratch, whole-item buffers, the discard buffer), or the second pass would start
+    with part of the budget gone."""
+    from dcp_cloud.dcp.loadrun import LoadRun
+    from dcp_cloud.transfer.engine import TransferEngine
+
+    transfer = TransferConfig(part_size=1 * MiB, max_inflight_parts=4)
+    with TransferEngine(MemoryStore(), transfer, FAST_RETRY) as engine:
+        run = LoadRun(engine, None, transfer, ChunkIndex({}), engine.recorder, URI)  # type: ignore[arg-type]
+        run.lease(MiB)
+        run._reserve_discard()
+        assert engine.budget.used > MiB
+        run.abandon()
+        assert engine.budget.used == 0
+        assert run.lease(2 * MiB) == 2 * MiB  # the whole budget is there again
+        run.abandon()
+        assert engine.budget.used == 0
