@@ -55,6 +55,12 @@ from .tensorbytes import tensor_bytes
 log = logging.getLogger("dcp_cloud")
 
 
+def _real(extras: ItemExtras) -> ItemExtras:
+    """The extras recorded in the footer: guessed ones are confirmed against it (waiting for it; GuessMiss if
+    the guess was wrong), recorded ones are returned as they are."""
+    return extras.confirm() if isinstance(extras, Guess) else extras
+
+
 @dataclass
 class _Pending:
     """Reads in flight, and what to do when they land."""
@@ -69,7 +75,7 @@ class _Item:
     """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
 
     __slots__ = (
-        "base", "confirm", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
+        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
         "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
     )  # fmt: skip
 
@@ -95,8 +101,6 @@ class _Item:
         self.base = base
         self.extras = extras
         self.verify = verify
-        #: For guessed extras: waits for the object's footer, returns the real extras or raises GuessMiss.
-        self.confirm = extras.confirm if isinstance(extras, Guess) else None
         #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
         #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
         self.sink: torch.Tensor | None = None
@@ -243,7 +247,7 @@ class LoadRun:
         self, key: str, base: int, extras: ItemExtras, what: str
     ) -> Callable[[int, list[memoryview]], None]:
         def check(offset: int, outs: list[memoryview]) -> None:
-            real = extras.confirm() if isinstance(extras, Guess) else extras
+            real = _real(extras)
             if not real.block_size:
                 return
             pieces = []
@@ -414,7 +418,7 @@ class LoadRun:
                 gap -= n
         views = item.views(start, end)
         outs.extend(views)
-        if item.verify or item.confirm is not None:
+        if item.verify or isinstance(item.extras, Guess):
             self._b_checks.append((item, start, views))
         self._b_end = end
         if end == item.end:
@@ -431,7 +435,7 @@ class LoadRun:
 
         def check(offset: int, views: list[memoryview]) -> None:
             for item, item_start, item_views in checks:
-                extras = item.extras if item.confirm is None else item.confirm()
+                extras = _real(item.extras)
                 if not (item.verify and extras.block_size):
                     continue
                 pieces = []
