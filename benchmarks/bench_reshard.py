@@ -169,10 +169,18 @@ def counting_stock_reader(path: str) -> Any:
 # ----------------------------------------------------------------------------- rank bodies
 
 
+#: Environment variable carrying ``--reshard-gap-kib`` (in bytes) to the rank processes, which do not run ``main``.
+_RESHARD_GAP_ENV = "BENCH_RESHARD_GAP"
+
+
 def _transfer(block_kib: int, verify: bool) -> Any:
     import dcp_cloud
 
-    return dcp_cloud.TransferConfig(checksum_block_size=block_kib * 1024, verify_checksums=verify)
+    return dcp_cloud.TransferConfig(
+        checksum_block_size=block_kib * 1024,
+        verify_checksums=verify,
+        reshard_gap=int(os.environ.get(_RESHARD_GAP_ENV, "0")),
+    )
 
 
 def rank_save(rank: int, world: int, spec: dict, uri: str, dim: int, block_kib: int) -> dict[str, Any]:
@@ -289,17 +297,19 @@ def download(client: Any, bucket: str, prefix: str, dest: Path) -> None:
             client.download_file(bucket, obj["Key"], str(dest / obj["Key"].rsplit("/", 1)[1]))
 
 
-def proxy_gets(snapshot: Any) -> tuple[int, int]:
-    """(response bytes of GETs on .distcp objects, on .metadata objects) from a proxy snapshot."""
-    data = meta = 0
+def proxy_gets(snapshot: Any) -> tuple[int, int, int]:
+    """(response bytes of GETs on .distcp objects, on .metadata objects; GETs on .distcp objects) from a proxy
+    snapshot."""
+    data = meta = gets = 0
     for (method, path), count in snapshot.by_path.items():
         if method != "GET":
             continue
         if path.endswith(".distcp"):
             data += count.response_bytes
+            gets += count.requests
         elif path.endswith(".metadata"):
             meta += count.response_bytes
-    return data, meta
+    return data, meta, gets
 
 
 def fmt_mib(n: float) -> str:
@@ -315,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balance-mb", type=int, default=128, help="replicated state dict of the write-balance table")
     parser.add_argument("--checksum-block-kib", type=int, default=None, help="default: TransferConfig's")
     parser.add_argument("--no-verify", action="store_true", help="load with verify_checksums=False")
+    parser.add_argument(
+        "--reshard-gap-kib", type=int, default=0, help="TransferConfig.reshard_gap of every load (default 0)"
+    )
     parser.add_argument("--skip-balance", action="store_true")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
@@ -334,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     one = {"layers.1.mlp.up.weight": spec["layers.1.mlp.up.weight"]}
     print(
         f"model: {len(spec)} fp32 tensors, {fmt_mib(total)} MiB; checksum blocks {block_kib} KiB, "
-        f"verify={verify}, coalesce_gap {dcp_cloud.TransferConfig().coalesce_gap // 1024} KiB; "
+        f"verify={verify}, coalesce_gap {dcp_cloud.TransferConfig().coalesce_gap // 1024} KiB, "
+        f"reshard_gap {args.reshard_gap_kib} KiB; "
         f"torch {torch.__version__}",
         flush=True,
     )
@@ -346,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             env["AWS_ENDPOINT_URL"] = proxy.url
             env["AWS_CONFIG_FILE"] = os.devnull
             env["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+            env[_RESHARD_GAP_ENV] = str(args.reshard_gap_kib * 1024)
             client = boto3.client(
                 "s3",
                 endpoint_url=moto.endpoint_url,
@@ -368,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def measure(label: str, results: list[dict[str, Any]]) -> None:
                 snap = proxy.reset_counters()
-                data, meta = proxy_gets(snap)
+                data, meta, gets = proxy_gets(snap)
                 bad = [b for r in results for b in r["bad"]]
                 if bad:
                     raise SystemExit(f"{label}: wrong values in {bad[:5]}")
@@ -377,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                     "engine": sum(r["engine"] for r in results),
                     "proxy": data,
                     "meta": meta,
+                    "gets": gets,
                     "stock": sum(r["stock"] for r in results),
                     "seconds": max(r["seconds"] for r in results),
                     "stock_seconds": max(r["stock_seconds"] for r in results),
@@ -456,21 +472,22 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"### Read amplification ({fmt_mib(total)} MiB fp32 model, {len(spec)} tensors; "
-        f"checksum blocks {block_kib} KiB, verify={verify})"
+        f"checksum blocks {block_kib} KiB, verify={verify}, reshard_gap {args.reshard_gap_kib} KiB)"
     )
     print()
     print(
-        "| scenario | needed MiB | dcp_cloud engine MiB | proxy MiB | ratio (engine / proxy) "
+        "| scenario | needed MiB | dcp_cloud engine MiB | proxy MiB | ratio (engine / proxy) | GETs (proxy) "
         "| stock FileSystemReader MiB | stock ratio |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     metas = []
     for label, r in rows:
         n = r["needed"]
         metas.append(r["meta"])
         print(
             f"| {label} | {fmt_mib(n)} | {fmt_mib(r['engine'])} | {fmt_mib(r['proxy'])} | "
-            f"{r['engine'] / n:.3f} / {r['proxy'] / n:.3f} | {fmt_mib(r['stock'])} | {r['stock'] / n:.3f} |"
+            f"{r['engine'] / n:.3f} / {r['proxy'] / n:.3f} | {r['gets']} | {fmt_mib(r['stock'])} | "
+            f"{r['stock'] / n:.3f} |"
         )
     print()
     print(

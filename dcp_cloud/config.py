@@ -101,6 +101,16 @@ class TransferConfig:
     #: them, while the ~1.5 KiB of torch.save framing between items that are
     #: all wanted is read through: thousands of small items need few requests.
     coalesce_ratio: float = 0.125
+    #: A gap between a rank's pieces of neighbouring items, which holds only
+    #: bytes of those two items (rows other ranks want) and the framing
+    #: between them, is read through when at most this long, whatever
+    #: ``coalesce_ratio`` says. ``0`` keeps resharded loads byte-precise.
+    #: Where round trips, not bytes, bound a resharded load of small pieces,
+    #: ``MiB`` reads each object a rank overlaps in a few requests, fetching
+    #: at most the saved chunks it overlaps: a request to S3 or GCS waits
+    #: ~20-50 ms for its first byte, in which one connection moves 2-4 MB. A
+    #: partial load still skips the items it does not want.
+    reshard_gap: int = 0
     #: Largest checksum block (bytes of an item per CRC32C). Each item gets
     #: blocks of about 1/256 of its size, a power of two between 4 KiB and
     #: this cap: a verified ranged read is widened to whole blocks, so small
@@ -127,6 +137,7 @@ class TransferConfig:
         _require(self.max_objects_per_rank >= 1, f"max_objects_per_rank must be >= 1, got {self.max_objects_per_rank}")
         _require(self.read_chunk_size >= 4096, f"read_chunk_size must be >= 4096, got {self.read_chunk_size}")
         _require(self.coalesce_gap >= 0, f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
+        _require(self.reshard_gap >= 0, f"reshard_gap must be >= 0, got {self.reshard_gap}")
         _require(
             isinstance(self.coalesce_ratio, (int, float)) and 0 <= self.coalesce_ratio <= 16,
             f"coalesce_ratio must be a number in [0, 16], got {self.coalesce_ratio!r}",

@@ -299,3 +299,9 @@ def test_config_checks_the_ratio() -> None:
     with pytest.raises(dcp_cloud.ConfigError):
         TransferConfig(coalesce_ratio=-0.1)
     assert dataclasses.replace(TransferConfig(), coalesce_ratio=0).coalesce_ratio == 0
+
+
+def test_config_checks_the_reshard_gap() -> None:
+    with pytest.raises(dcp_cloud.ConfigError, match="reshard_gap"):
+        TransferConfig(reshard_gap=-1)
+    assert TransferConfig().reshard_gap == 0  # resharded loads stay byte-precise unless asked

@@ -13,7 +13,10 @@ from dcp_cloud.dcp.readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, pl
 
 @st.composite
 def segment_lists(draw: st.DrawFn) -> list[Segment]:
-    """Sorted, disjoint segments; each on its own block grid (block 0 = no grid), ends on it or at an item end."""
+    """Sorted, disjoint segments; each on its own block grid (block 0 = no grid), ends on it or at an item end.
+
+    Some segments name their item's extent (``item``): the segment is a piece of it, with unwanted bytes of
+    the item before and after it, and the next item starts after its end."""
     segments = []
     pos = draw(st.integers(0, 50))
     for _ in range(draw(st.integers(0, 30))):
@@ -25,13 +28,24 @@ def segment_lists(draw: st.DrawFn) -> list[Segment]:
             pos = origin + -(-(pos - origin) // block) * block
         length = draw(st.integers(1, 400))
         end = pos + length  # an item's last block may be short: any end is allowed
-        segments.append(Segment(pos, end, block, origin))
-        pos = end
+        item = (origin, end + draw(st.integers(0, 200))) if draw(st.booleans()) else None
+        segments.append(Segment(pos, end, block, origin, item))
+        pos = end if item is None else item[1]
     return segments
 
 
+def _beside(a: Segment, b: Segment, free_gap: int) -> bool:
+    return a.item is not None and b.item is not None and b.item[0] - a.item[1] <= free_gap
+
+
 def _check(
-    segments: list[Segment], requests: list[Request], max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+    segments: list[Segment],
+    requests: list[Request],
+    max_gap: int,
+    ratio: float,
+    chunk: int,
+    free_gap: int = 0,
+    neighbour_gap: int = 0,
 ) -> None:
     covered: dict[int, list[tuple[int, int]]] = {}
     last_end = -1
@@ -43,14 +57,17 @@ def _check(
         cursor = req.start
         wanted = 0
         free = 0
+        last = -1
         for i, a, b in req.parts:
             seg = segments[i]
             assert seg.start <= a < b <= seg.end
-            assert a - cursor <= max_gap or a == cursor
             assert a >= cursor
-            if a - cursor <= free_gap:
+            neighbours = last >= 0 and _beside(segments[last], seg, free_gap) and a - cursor <= neighbour_gap
+            assert a - cursor <= max_gap or a == cursor or neighbours
+            if a - cursor <= min(free_gap, max_gap) or neighbours:
                 free += a - cursor
             cursor = b
+            last = i
             wanted += b - a
             if seg.block > 1:
                 assert b == seg.end or (b - seg.origin) % seg.block == 0, "cut off the block grid"
@@ -76,12 +93,15 @@ def _check(
     st.sampled_from([0.0, 0.05, 0.125, 0.5, 2.0]),
     st.integers(1, 1500),
     st.sampled_from([0, 0, 10, 100]),
+    st.sampled_from([0, 0, 50, 400]),
 )
 def test_plan_covers_every_segment_within_the_rules(
-    segments: list[Segment], max_gap: int, ratio: float, chunk: int, free_gap: int
+    segments: list[Segment], max_gap: int, ratio: float, chunk: int, free_gap: int, neighbour_gap: int
 ) -> None:
-    requests = plan_requests(segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap)
-    _check(segments, requests, max_gap, ratio, chunk, free_gap)
+    requests = plan_requests(
+        segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap, neighbour_gap=neighbour_gap
+    )
+    _check(segments, requests, max_gap, ratio, chunk, free_gap, neighbour_gap)
 
 
 @settings(max_examples=200, deadline=None)
@@ -108,6 +128,48 @@ def test_weights_between_moments_are_not_merged_past_the_ratio(item: int) -> Non
     fetched = sum(r.end - r.start for r in requests)
     assert fetched == 100 * item  # a gap of two moments (and 3 framings) is never worth it
     assert len(requests) == 100
+
+
+@pytest.mark.parametrize("item", [16, 4096, 16 * 1024, 60 * 1024, 256 * 1024])
+def test_weights_between_moments_stay_exact_with_their_extents_known(item: int) -> None:
+    # as above, the segments naming their items (as the reader's do): the moments between two weights are
+    # whole items the load skips, so the ratio still holds, however long max_gap or neighbour_gap are
+    framing = 1577
+    stride = item + framing
+    weights = [
+        Segment(3 * k * stride, 3 * k * stride + item, item=(3 * k * stride, 3 * k * stride + item)) for k in range(100)
+    ]
+    for max_gap, neighbour_gap in ((64 * 1024, 1 << 20), (1 << 20, 1 << 20), (1 << 20, 0)):
+        requests = plan_requests(
+            weights, max_gap=max_gap, ratio=0.125, chunk=16 << 20, free_gap=FRAMING_GAP, neighbour_gap=neighbour_gap
+        )
+        assert sum(r.end - r.start for r in requests) == 100 * item
+        assert len(requests) == 100
+
+
+@pytest.mark.parametrize("share", [(0, 1, 3), (1, 3, 3), (2, 3, 3), (0, 1, 8)])
+def test_a_resharded_ranks_pieces_of_neighbouring_items_share_requests(share: tuple[int, int, int]) -> None:
+    # 64 items of 256 KiB, each behind ~1.5 KiB of framing; the load wants rows [a/n, b/n) of each: the
+    # rest of every item is wanted by other ranks, so the gaps hold no item the load skips
+    a, b, n = share
+    item, framing = 256 * 1024, 1577
+    stride = item + framing
+    pieces = [
+        Segment(k * stride + item * a // n, k * stride + item * b // n, item=(k * stride, k * stride + item))
+        for k in range(64)
+    ]
+    rules = {"ratio": 0.125, "chunk": 16 << 20, "free_gap": FRAMING_GAP}
+    requests = plan_requests(pieces, max_gap=64 * 1024, neighbour_gap=1 << 20, **rules)
+    _check(pieces, requests, 64 * 1024, 0.125, 16 << 20, FRAMING_GAP, 1 << 20)
+    assert len(requests) == 1  # 16 MiB of items: one request reads them, and the gaps, through
+    # by default (neighbour_gap 0) the gaps are held to the ratio: one request per piece, byte-precise
+    exact = plan_requests(pieces, max_gap=64 * 1024, **rules)
+    assert len(exact) == 64 and sum(r.end - r.start for r in exact) == sum(p.end - p.start for p in pieces)
+    # not knowing the items, the same: the gaps might hold items the load skips
+    blind = [Segment(p.start, p.end) for p in pieces]
+    assert len(plan_requests(blind, max_gap=1 << 20, neighbour_gap=1 << 20, **rules)) == 64
+    # nor past neighbour_gap: a gap longer than it is a request boundary even between neighbours
+    assert len(plan_requests(pieces, max_gap=64 * 1024, neighbour_gap=1024, **rules)) == 64
 
 
 def test_only_framing_separates_tiny_wanted_items() -> None:

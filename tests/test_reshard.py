@@ -12,7 +12,10 @@ dict asks for:
 * with the defaults (verification on), reads widen to whole checksum blocks,
   so each read item may add up to two partial blocks, and neighbouring items
   share requests: the torch.save framing between them (< FRAMING_GAP bytes
-  each) and gaps up to ``coalesce_ratio`` of the bytes read are fetched too.
+  each) and gaps up to ``coalesce_ratio`` of the bytes read are fetched too;
+* with ``reshard_gap``, a rank reads through the rows other ranks want
+  between its pieces of neighbouring items: at most the saved chunks it
+  overlaps, in one GET per object.
 """
 
 from __future__ import annotations
@@ -82,6 +85,24 @@ def _needed(sd: dict[str, Any]) -> int:
     )
 
 
+def _touched(sd: dict[str, Any], metadata: Any) -> int:
+    """Bytes of the saved chunks that the local boxes of ``sd`` overlap (plain tensors: all of theirs)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    total = 0
+    for name, v in sd.items():
+        if not isinstance(v, DTensor):
+            total += v.nbytes
+            continue
+        shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        for chunk in metadata.state_dict_metadata[name].chunks:
+            boxes = zip(chunk.offsets, chunk.sizes, offset, shape, strict=True)
+            if all(o < lo + n and lo < o + s for o, s, lo, n in boxes):
+                total += chunk.sizes.numel() * v.element_size()
+    return total
+
+
 # -------------------------------------------------------------------------- rank bodies (module level: spawned)
 
 
@@ -108,7 +129,13 @@ def _save_four(rank: int, world: int, uri: str) -> None:
 
 
 def _load_and_measure(
-    rank: int, world: int, spec: dict[str, tuple[tuple[int, ...], int]], uri: str, verify: bool, with_step: bool
+    rank: int,
+    world: int,
+    spec: dict[str, tuple[tuple[int, ...], int]],
+    uri: str,
+    verify: bool,
+    with_step: bool,
+    reshard_gap: int = 0,
 ) -> dict[str, Any]:
     """Load ``spec`` sharded as saved (same dims) on this mesh; return what was read and whether it is right.
 
@@ -125,19 +152,24 @@ def _load_and_measure(
     exact = {} if verify else {"coalesce_gap": 0}
     # share_reads=False: each rank's own reads are measured (the replicated "step" item would otherwise be
     # fetched by one rank and sent to the others; tests/test_shared_reads.py counts that per load job)
-    reader = dcp_cloud.S3Reader(
-        uri, transfer=dcp_cloud.TransferConfig(verify_checksums=verify, **exact), share_reads=False
-    )
+    transfer = dcp_cloud.TransferConfig(verify_checksums=verify, reshard_gap=reshard_gap, **exact)
+    reader = dcp_cloud.S3Reader(uri, transfer=transfer, share_reads=False)
     dcp_cloud.load(target, storage_reader=reader)
     want = _dtensors(spec, mesh, zeros=False)
     bad = [k for k in spec if not _bitwise_equal(target[k].to_local(), want[k].to_local())]
     if with_step and int(target["step"]) != 11:
         bad.append("step")
     # the index footers of the objects read (raw offsets and checksums) are not part of the tensor bytes
-    return {"read": reader.stats.bytes_read - reader.stats.index_bytes_read, "needed": _needed(target), "bad": bad}
+    return {
+        "read": reader.stats.bytes_read - reader.stats.index_bytes_read,
+        "needed": _needed(target),
+        "touched": _touched(target, reader.read_metadata()),
+        "requests": dict(reader.stats.requests),
+        "bad": bad,
+    }
 
 
-def _load_many(rank: int, world: int, jobs: list[tuple[dict, str, bool, bool]]) -> list[dict[str, Any]]:
+def _load_many(rank: int, world: int, jobs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [_load_and_measure(rank, world, *job) for job in jobs]
 
 
@@ -243,13 +275,15 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
         (dim0, checkpoints["four"], True, False),
         (dim1, checkpoints["four"], False, False),
         (dim1, checkpoints["four"], True, False),
+        (dim0, checkpoints["four"], True, False, MiB),
     ]
     per_rank = run_ranks(3, _load_many, jobs, env=checkpoints["env"], timeout=600)
-    exact0, verified0, exact1, verified1 = ([r[i] for r in per_rank] for i in range(4))
-    for results in (exact0, verified0, exact1, verified1):
+    exact0, verified0, exact1, verified1, through0 = ([r[i] for r in per_rank] for i in range(5))
+    for results in (exact0, verified0, exact1, verified1, through0):
         assert all(r["bad"] == [] for r in results), results
     _report("4->3 uneven dim-0, verify and coalescing off", exact0)
     _report("4->3 uneven dim-0, defaults", verified0)
+    _report("4->3 uneven dim-0, reshard_gap 1 MiB", through0)
     r1 = _report("4->3 Shard(1), verify and coalescing off", exact1)
     _report("4->3 Shard(1), defaults", verified1)
     for r in exact0:
@@ -257,6 +291,12 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
     pieces = len(dim0) * 2  # a rank's rows overlap at most 2 saved chunks of each tensor
     for r in verified0:
         assert r["needed"] <= r["read"] <= _coalesced_bound(r["needed"] + 2 * BLOCK * pieces, pieces)
+    for r, precise in zip(through0, verified0, strict=True):
+        # with reshard_gap, a rank's pieces of neighbouring items share requests: it reads through the rows
+        # other ranks want, so at most the saved chunks it overlaps and the framing between them; each saving
+        # rank wrote one object (< part_size), each read with one GET besides its index footer's
+        assert r["needed"] <= r["read"] <= r["touched"] + FRAMING_GAP * pieces, r
+        assert r["requests"]["read"] <= 2 * 2 < precise["requests"]["read"], (r, precise)
     # Shard(1): each row of a saved chunk holds a run; runs closer than coalesce_gap are fetched
     # together, so a rank reads at most the saved chunks its columns overlap -- correct, not precise
     d1_bytes = 512 * 2048 * 4

@@ -75,7 +75,7 @@ class _Item:
     """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
 
     __slots__ = (
-        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "req",
+        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "limit", "req",
         "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
     )  # fmt: skip
 
@@ -92,6 +92,8 @@ class _Item:
     wanted: int
     #: Object offset where the item's last segment ends.
     end: int
+    #: Object offset where the item's raw tensor bytes end (``base`` + the whole chunk's bytes).
+    limit: int
 
     def __init__(self, req: ReadItem, what: str, key: str, base: int, extras: ItemExtras, verify: bool) -> None:
         self.req = req
@@ -277,10 +279,11 @@ class LoadRun:
         item.sink = sink
         item.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
         elem = torch._utils._element_size(dtype)
+        nbytes = elem
+        for n in shape:
+            nbytes *= n
+        item.limit = item.base + nbytes
         if item.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
-            nbytes = elem
-            for n in shape:
-                nbytes *= n
             if verify and nbytes > extras.checked_length:
                 raise CorruptCheckpointError(
                     f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
@@ -376,11 +379,16 @@ class LoadRun:
                 block = extras.block_size if block_of else 0
                 for start, end, _, _ in item.spans:
                     owners.append(item)
-                    yield Segment(item.base + start, item.base + end, block, item.base)
+                    yield Segment(item.base + start, item.base + end, block, item.base, (item.base, item.limit))
 
         t = self.transfer
         requests = iter_requests(
-            segments(), max_gap=t.coalesce_gap, ratio=t.coalesce_ratio, chunk=t.read_chunk_size, free_gap=FRAMING_GAP
+            segments(),
+            max_gap=t.coalesce_gap,
+            ratio=t.coalesce_ratio,
+            chunk=t.read_chunk_size,
+            free_gap=FRAMING_GAP,
+            neighbour_gap=t.reshard_gap,
         )
         for request in requests:
             if request.end - request.start > request.wanted and not len(self._discard):
@@ -396,7 +404,8 @@ class LoadRun:
     def _reserve_discard(self) -> None:
         """One buffer that every gap of every request is read into (and nobody reads); longer gaps use it
         several times over."""
-        size = max(1, min(self.transfer.coalesce_gap, self.engine.budget.capacity // 8))
+        gap = max(self.transfer.coalesce_gap, self.transfer.reshard_gap)
+        size = max(1, min(gap, self.engine.budget.capacity // 8))
         self._reserved = self.lease(size)
         self._discard = memoryview(bytearray(size))
 

@@ -15,7 +15,11 @@ segments are packed into few requests:
   discarded bytes of a request stay at most ``ratio`` times the segment
   bytes it serves. That bound is what keeps partial loads exact: loading
   the weights of a model+Adam checkpoint fetches at most ``1 + ratio`` times
-  the bytes of the weights, however small the items.
+  the bytes of the weights, however small the items. A gap that holds no
+  item the load skips (only the rest of one item it reads part of, the
+  framing, and the head of the next: what a resharded load leaves between
+  its pieces of neighbouring items) may be read through up to a length of
+  its own, ``neighbour_gap``, whatever the ratio says.
 
 A segment longer than ``chunk`` is cut into several requests (read in
 parallel), at multiples of its checksum block, so that every request holds
@@ -77,12 +81,17 @@ class Segment:
     ``block`` is the item's checksum block size (0 or 1: no verification, cut
     anywhere) and ``origin`` the object offset its blocks are counted from;
     ``start`` lies on that grid, ``end`` on it or at the end of the item.
+    ``item``: the object bytes ``[first, end)`` of the whole item (its raw
+    bytes, not its framing) when known; a gap from this segment to one of the
+    next item is then known to hold no item the load skips (``neighbour_gap``
+    of :func:`iter_requests`).
     """
 
     start: int
     end: int
     block: int = 0
     origin: int = 0
+    item: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -98,7 +107,7 @@ class Request:
     parts: list[tuple[int, int, int]] = field(default_factory=list)
     #: Bytes of the parts (``end - start - wanted`` are discarded).
     wanted: int = 0
-    #: Discarded bytes of gaps no longer than ``free_gap`` (not held to the ratio).
+    #: Discarded bytes of gaps not held to the ratio (framing, and gaps between neighbouring items).
     free: int = 0
 
 
@@ -113,15 +122,37 @@ def _cut(seg: Segment, pos: int, room: int, slack: int) -> int:
     return seg.origin + (limit - seg.origin) // seg.block * seg.block
 
 
+def _neighbours(a: Segment, b: Segment, free_gap: int) -> bool:
+    """True when the gap from ``a`` to ``b`` holds nothing but bytes of their two items and at most
+    ``free_gap`` bytes between those items (their framing): no item that the load skips."""
+    return a.item is not None and b.item is not None and b.item[0] - a.item[1] <= free_gap
+
+
 def plan_requests(
-    segments: Iterable[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+    segments: Iterable[Segment],
+    *,
+    max_gap: int,
+    ratio: float,
+    chunk: int,
+    free_gap: int = 0,
+    neighbour_gap: int = 0,
 ) -> list[Request]:
     """:func:`iter_requests` as a list."""
-    return list(iter_requests(segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap))
+    return list(
+        iter_requests(
+            segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap, neighbour_gap=neighbour_gap
+        )
+    )
 
 
 def iter_requests(
-    segments: Iterable[Segment], *, max_gap: int, ratio: float, chunk: int, free_gap: int = 0
+    segments: Iterable[Segment],
+    *,
+    max_gap: int,
+    ratio: float,
+    chunk: int,
+    free_gap: int = 0,
+    neighbour_gap: int = 0,
 ) -> Iterator[Request]:
     """Pack the segments of one object (sorted by ``start``, disjoint) into requests.
 
@@ -129,11 +160,15 @@ def iter_requests(
     caller can send the first ones while later segments are still being
     worked out (``segments`` may be a generator too).
 
-    Contract, for ``max_gap >= 0``, ``ratio >= 0``, ``chunk >= 1`` and ``free_gap >= 0``:
+    Contract, for ``max_gap >= 0``, ``ratio >= 0``, ``chunk >= 1``, ``free_gap >= 0`` and
+    ``neighbour_gap >= 0``:
 
     * every byte of every segment is in exactly one part of one request, and
       parts are ordered: requests are sorted and disjoint, and inside a
-      request parts follow each other with gaps of at most ``max_gap``;
+      request parts follow each other with gaps of at most ``max_gap``, or
+      of at most ``neighbour_gap`` between *neighbours*: two segments whose
+      ``item`` ranges lie at most ``free_gap`` apart (so the gap holds only
+      bytes of their two items and the framing between them);
     * a part ends at its segment's end or on its segment's block grid, and
       starts at its segment's start or where the previous part of the same
       segment ended (so on the grid too);
@@ -143,11 +178,12 @@ def iter_requests(
       at most one block (a block larger than ``chunk``);
     * the discarded bytes of a request (its gaps) are at most ``ratio``
       times its wanted bytes, not counting gaps of at most
-      ``min(free_gap, max_gap)`` bytes, which are always read through. So a
-      plan fetches at most ``1 + ratio`` times the segment bytes, plus those
-      short gaps. (The reader passes :data:`FRAMING_GAP`: a gap that short
-      holds only the torch.save framing between two wanted items, never an
-      item nobody asked for.)
+      ``min(free_gap, max_gap)`` bytes, which are always read through, nor
+      the gaps between neighbours of at most ``neighbour_gap``, which are
+      too. So a plan fetches at most ``1 + ratio`` times the segment bytes,
+      plus those gaps. (The reader passes :data:`FRAMING_GAP`: a gap that
+      short holds only the torch.save framing between two wanted items,
+      never an item nobody asked for.)
 
     Merging is greedy from the lowest offset: a segment joins the open
     request when the gap, the size and the ratio rules allow. ``O(n + r)``
@@ -158,29 +194,31 @@ def iter_requests(
     ...     [Segment(0, 100), Segment(104, 200), Segment(900, 1000)], max_gap=64, ratio=0.1, chunk=1 << 20)]
     [(0, 200, [(0, 0, 100), (1, 104, 200)]), (900, 1000, [(2, 900, 1000)])]
     """
-    if max_gap < 0 or ratio < 0 or chunk < 1:
-        raise ValueError(f"plan_requests needs max_gap >= 0, ratio >= 0, chunk >= 1; got {max_gap}, {ratio}, {chunk}")
+    if max_gap < 0 or ratio < 0 or chunk < 1 or neighbour_gap < 0:
+        raise ValueError(
+            "plan_requests needs max_gap >= 0, ratio >= 0, chunk >= 1, neighbour_gap >= 0; "
+            f"got {max_gap}, {ratio}, {chunk}, {neighbour_gap}"
+        )
     slack = chunk // TAIL_SLACK
     cur: Request | None = None
-    prev_end = -1
+    prev: Segment | None = None
     for index, seg in enumerate(segments):
-        if seg.start < prev_end or seg.end < seg.start:
+        if (prev is not None and seg.start < prev.end) or seg.end < seg.start:
             raise ValueError(f"segments must be sorted, disjoint and well-formed; segment {index} is {seg}")
-        prev_end = seg.end
+        beside = neighbour_gap > 0 and prev is not None and _neighbours(prev, seg, free_gap)
+        prev = seg
         pos = seg.start
         while pos < seg.end:
             if cur is not None:
                 gap = pos - cur.end
                 take = _cut(seg, pos, chunk - (pos - cur.start), slack)
-                free = gap <= free_gap
+                free = gap <= min(free_gap, max_gap) or (beside and gap <= neighbour_gap)
                 joins = take > pos and (
                     gap == 0
+                    or free
                     or (
                         gap <= max_gap
-                        and (
-                            free
-                            or (cur.end - cur.start - cur.wanted - cur.free) + gap <= ratio * (cur.wanted + take - pos)
-                        )
+                        and (cur.end - cur.start - cur.wanted - cur.free) + gap <= ratio * (cur.wanted + take - pos)
                     )
                 )
                 if not joins:
