@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from dcp_cloud.config import RetryConfig
 from dcp_cloud.dcp.footer import item_extras
 from dcp_cloud.dcp.layout import footer_table, load_metadata
 from dcp_cloud.store.memory import MemoryStore
+from dcp_cloud.store.wrapper import StoreWrapper
 from dcp_cloud.testing.backends import StoreBackend
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan, flip_byte
 
@@ -88,9 +90,9 @@ def test_many_small_items_load_with_few_requests(backend) -> None:
     dcp.load(target, storage_reader=reader)
     _assert_bits(target, saved)
     stats = reader.stats
-    # one object of ~4 MiB under the 16 MiB read chunk: one ranged GET for 300 items, after the one
-    # GET of the object's index footer
-    assert stats.requests.get("read") == 2, stats.requests
+    # one object of ~4 MiB under the 16 MiB read chunk: one ranged GET for 300 items, with the object's
+    # index footer as its tail
+    assert stats.requests.get("read") == 1, stats.requests
     assert stats.retries == 0
     assert total < stats.bytes_read <= total + 2048 * len(saved)
 
@@ -186,22 +188,58 @@ def test_a_flipped_byte_in_one_small_item_of_a_coalesced_span_names_that_item() 
     message = str(caught.value)
     assert "'p0151'" in message and key in message
     assert "p0150" not in message and "p0152" not in message
-    # the footer, one coalesced read, then the mismatching block once more, then the error
-    assert counting.counts()[0]["read_into"] == 3
+    # one coalesced read (the footer its tail), then the mismatching block once more, then the error
+    assert counting.counts()[0]["read_into"] == 2
 
 
-class _FaultsAfterTheFooter(FaultyStore):
-    """Faults start after the first read_into (the object's index footer)."""
+class _ItemByteDamagedOnce(StoreWrapper):
+    """The first read flips one byte, chosen by ``seed``, among those it holds before ``footer`` (the first
+    byte of the object's index footer): damage on the way to the items, never to the footer."""
 
-    def __init__(self, inner: MemoryStore, plan: StoreFaultPlan) -> None:
-        super().__init__(inner, plan)
-        self._reads = 0
+    def __init__(self, inner: MemoryStore, footer: int, seed: int) -> None:
+        super().__init__(inner)
+        self._footer = footer
+        self._rng = random.Random(seed)
+        self.injected = 0
 
     def read_into(self, key: str, start: int, outs: Any) -> None:
-        self._reads += 1
-        if self._reads == 1:
-            return self.inner.read_into(key, start, outs)
-        return super().read_into(key, start, outs)
+        self.inner.read_into(key, start, outs)
+        end = min(start + sum(len(o) for o in outs), self._footer)
+        if self.injected or end <= start:
+            return
+        at = self._rng.randrange(start, end)
+        pos = start
+        for out in outs:
+            if pos <= at < pos + len(out):
+                out[at - pos] ^= 0xFF
+                self.injected += 1
+                return
+            pos += len(out)
+
+
+class _FooterDamagedOnce(StoreWrapper):
+    """The first read that holds byte ``at`` (inside the index footer) gets it flipped on the way."""
+
+    def __init__(self, inner: MemoryStore, at: int) -> None:
+        super().__init__(inner)
+        self._at = at
+        self.injected = 0
+
+    def read_into(self, key: str, start: int, outs: Any) -> None:
+        self.inner.read_into(key, start, outs)
+        pos = start
+        for out in outs:
+            if not self.injected and pos <= self._at < pos + len(out):
+                out[self._at - pos] ^= 0xFF
+                self.injected += 1
+            pos += len(out)
+
+
+def _footer_of(mem: MemoryStore) -> tuple[str, int, int]:
+    """(key, offset, length) of the index footer of the one object of ``_save_many``."""
+    metadata = load_metadata(mem.get("many/.metadata"), URI)
+    (relative, (start, length)), *_ = footer_table(metadata).items()
+    return f"many/{relative}", start, length
 
 
 def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFixture) -> None:
@@ -209,10 +247,10 @@ def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFi
     (or harmless, when it hit the discarded framing between items)."""
     mem = MemoryStore()
     saved = _save_many(mem)
+    _, footer, _ = _footer_of(mem)
     healed = 0
     for seed in range(8):
-        plan = StoreFaultPlan(corrupt_reads=1.0, seed=seed, max_faults=1, ops=frozenset({"read_into"}))
-        faulty = _FaultsAfterTheFooter(mem, plan)
+        faulty = _ItemByteDamagedOnce(mem, footer, seed)
         target = _zeros_like(saved)
         reader = _load_many(faulty, target)
         _assert_bits(target, saved)
@@ -223,16 +261,20 @@ def test_bytes_damaged_on_the_way_are_read_once_more(caplog: pytest.LogCaptureFi
     assert "reading them once more" in caplog.text
 
 
-def test_a_footer_damaged_on_the_way_is_read_once_more(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("carried", [True, False])
+def test_a_footer_damaged_on_the_way_is_read_once_more(carried: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A byte of the footer flipped on the way: as the tail of the object's one data request (guessed reads)
+    or in the footer's own GET (without): the footer is read once more, alone, and the load goes on."""
     mem = MemoryStore()
     saved = _save_many(mem)
-    for seed in range(3):
-        plan = StoreFaultPlan(corrupt_reads=1.0, seed=seed, max_faults=1, ops=frozenset({"read_into"}))
-        faulty = FaultyStore(mem, plan)  # the first read is the footer's
+    _, start, length = _footer_of(mem)
+    for at in (start, start + length // 2, start + length - 1):
+        faulty = _FooterDamagedOnce(mem, at)
         target = _zeros_like(saved)
-        reader = _load_many(faulty, target)
+        reader = _load_many(faulty, target, TransferConfig(speculative_reads=carried))
         _assert_bits(target, saved)
         assert faulty.injected == 1 and reader.stats.retries == 1
+        assert reader.stats.requests["read"] == (1 if carried else 2) + 1  # and the footer once more
     assert "reading it once more" in caplog.text
 
 
@@ -241,20 +283,23 @@ def test_a_footer_damaged_at_rest_is_named() -> None:
     the footer and its object, never a load that skips verification."""
     mem = MemoryStore()
     saved = _save_many(mem)
-    metadata = load_metadata(mem.get("many/.metadata"), URI)
-    (relative, (start, length)), *_ = footer_table(metadata).items()
-    key = f"many/{relative}"
+    key, start, length = _footer_of(mem)
     body = mem.get(key)
     flip_byte(mem, key, start + length // 2)
-    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
-        _load_many(mem, _zeros_like(saved))
-    assert "damaged" in str(caught.value) and key in str(caught.value)
+    for carried in (True, False):
+        with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
+            _load_many(mem, _zeros_like(saved), TransferConfig(speculative_reads=carried))
+        assert "damaged" in str(caught.value) and key in str(caught.value)
     with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer"):
         dcp_cloud.verify("memory://mem/many", store=mem)
     mem.put(key, body[: start + length // 2])  # truncated inside the footer
     with pytest.raises(dcp_cloud.CorruptCheckpointError, match="checksum footer") as caught:
-        _load_many(mem, _zeros_like(saved))
+        _load_many(mem, _zeros_like(saved), TransferConfig(speculative_reads=False))
     assert "missing" in str(caught.value) and "truncated" in str(caught.value)
+    # the footer the tail of the object's one read: that read fails, naming the object and the truncation
+    with pytest.raises(dcp_cloud.CorruptCheckpointError, match="truncated") as caught:
+        _load_many(mem, _zeros_like(saved))
+    assert key in str(caught.value)
 
 
 def test_coalesced_loads_stay_within_the_memory_budget() -> None:

@@ -286,6 +286,90 @@ def test_a_damaged_or_missing_footer_fails_the_guessed_reads_typed() -> None:
     assert time.monotonic() - began < 10
 
 
+# ------------------------------------------------------------------------------------------ carried footers
+
+
+def _tensors() -> dict[str, Any]:
+    """``_state`` without its bytes items: every item of the object goes into the coalesced reads."""
+    return {k: v for k, v in _state().items() if isinstance(v, torch.Tensor)}
+
+
+class _ReadStarts(StoreWrapper):
+    """Records the first byte of every read."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.starts: list[int] = []
+        self._lock = threading.Lock()
+
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+        with self._lock:
+            self.starts.append(start)
+        self.inner.read_into(key, start, outs)
+
+
+def _within(seconds: float, fn: Any) -> Any:
+    """``fn()``, failing (not hanging) if it has not returned after ``seconds``."""
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"no result after {seconds} s: a read waits for a footer queued behind it"
+    assert out, "the call raised (see the thread's traceback above)"
+    return out[0]
+
+
+def test_an_object_read_in_one_request_carries_its_footer() -> None:
+    """An object a load reads whole with one request: one GET for items and footer, where a load that waits
+    for the footer makes two; the carried footer costs the read the framing after the last bytes it reads
+    (here the trailer of one item and the whole record of an empty tensor, ~2.4 KiB), nothing more."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state)
+    ((footer, _),) = _footer_places(mem).values()
+    spy = _ReadStarts(mem)
+    carried = _load(spy, _blank(state))
+    assert footer not in spy.starts and len(spy.starts) == 1
+    waited = _load(mem, _blank(state), TransferConfig(speculative_reads=False))
+    assert carried.stats.requests["read"] == 1 and waited.stats.requests["read"] == 2
+    assert carried.stats.index_bytes_read == waited.stats.index_bytes_read > 0
+    assert waited.stats.bytes_read < carried.stats.bytes_read <= waited.stats.bytes_read + 4096
+
+
+def test_a_wrong_guess_with_a_carried_footer_is_read_again(caplog: pytest.LogCaptureFixture) -> None:
+    """The footer carried by the object's one request tells a wrong guess (16 KiB blocks saved): the load
+    warns, reads again from the footers and lands the right bytes."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state, TransferConfig(checksum_block_size=16 * KiB))
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        target = _blank(state)
+        reader = _load(mem, target)
+    _assert_same(target, state)
+    assert caplog.text.count(AGAIN) == 1
+    assert reader.stats.requests["read"] == 1 + 2  # carried; then the footer's own GET and the items'
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_request_sent_early_for_the_budget_sends_the_footer_first(concurrency: int) -> None:
+    """Targets of another dtype need temporaries; with a 2 MiB budget the request being built is sent early,
+    in parts, and a footer that was to ride on it gets its own GET first: with one worker, a part queued
+    before its footer would wait for it forever."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state)
+    ((footer, _),) = _footer_places(mem).values()
+    target = {k: v.to(torch.float64) if v.is_floating_point() else torch.zeros_like(v) for k, v in state.items()}
+    target = _blank(target)
+    spy = _ReadStarts(mem)
+    transfer = TransferConfig(part_size=1 * MiB, max_inflight_parts=2, concurrency=concurrency)
+    reader = _within(30, lambda: _load(spy, target, transfer))
+    for k, v in state.items():
+        assert torch.equal(target[k], v.to(target[k].dtype)), k
+    assert footer in spy.starts and spy.starts.index(footer) == 0, spy.starts
+    assert reader.stats.peak_buffer_bytes <= transfer.memory_budget + 8 * MiB  # one item may exceed the budget
+
+
 # ------------------------------------------------------------------------------------------ over the wire
 
 
@@ -296,42 +380,66 @@ _WIRE: dict[str, tuple[str, str, str, str, Any, Any, str]] = {
 }
 
 
-@pytest.mark.parametrize("backend", sorted(_WIRE))
-def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, request: pytest.FixtureRequest) -> None:
-    """Behind a proxy adding 100 ms each way, a load's first data GET reaches the server less than one way's
-    delay after the first footer GET: sent with it, not a round trip after it (S3 on moto, GCS on its
-    emulator)."""
+def _wire_load(
+    backend: str, request: pytest.FixtureRequest, transfer: TransferConfig, name: str = "guessed"
+) -> tuple[list[tuple[float, int, int]], dict[int, int]]:
+    """Save 6 x 256 KiB in one object, then load it behind a proxy adding 100 ms each way; return every
+    ranged GET the server got (arrival, first byte, last byte) and the footers' places (start -> end)."""
     server, address, bucket, store_fixture, writer_cls, reader_cls, keyword = _WIRE[backend]
     upstream = getattr(request.getfixturevalue(server), address)
-    uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/guessed"
+    uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/{name}"
     store = request.getfixturevalue(store_fixture)
     writer = writer_cls(uri, **{keyword: upstream})
 
     state = {f"t{i}": torch.randn(256, 256) for i in range(6)}
     dcp.save(state, storage_writer=writer)
-    metadata = load_metadata(store.get("guessed/.metadata"), uri)
-    footer_starts = {place[0] for place in (footer_table(metadata) or {}).values()}
-    seen: list[tuple[float, bool]] = []
+    metadata = load_metadata(store.get(f"{name}/.metadata"), uri)
+    footers = {start: start + length for start, length in (footer_table(metadata) or {}).values()}
+    seen: list[tuple[float, int, int]] = []
     lock = threading.Lock()
 
     def spy(request: RequestInfo) -> bool:  # records every ranged GET, faults none
         rng = request.headers.get("range", "")
         if request.method == "GET" and rng.startswith("bytes="):
-            start = int(rng[len("bytes=") :].split("-")[0])
+            first, last = (int(v) for v in rng[len("bytes=") :].split("-"))
             with lock:
-                seen.append((time.monotonic(), start in footer_starts))
+                seen.append((time.monotonic(), first, last))
         return False
 
     plan = FaultPlan(error_500=1.0, when=spy)
     with FaultProxy(upstream, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
         out = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(out, storage_reader=reader_cls(uri, **{keyword: proxy.url}))
+        dcp.load(out, storage_reader=reader_cls(uri, transfer=transfer, **{keyword: proxy.url}))
         assert proxy.snapshot().unplanned_errors == 0
     assert all(torch.equal(out[k], v) for k, v in state.items())
-    footers = [t for t, is_footer in seen if is_footer]
-    data = [t for t, is_footer in seen if not is_footer]
-    assert footers and data
-    assert min(data) - min(footers) < 0.1, seen
+    return seen, footers
+
+
+@pytest.mark.parametrize("backend", sorted(_WIRE))
+def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, request: pytest.FixtureRequest) -> None:
+    """Where an object takes several data GETs (256 KiB reads here), the first of them reaches the server
+    less than one way's delay after its footer's GET: sent with it, not a round trip after it (S3 on moto,
+    GCS on its emulator)."""
+    seen, footers = _wire_load(backend, request, TransferConfig(read_chunk_size=256 * 1024))
+    footer_gets = [t for t, first, _ in seen if first in footers]
+    data = [t for t, first, _ in seen if first not in footers]
+    assert footer_gets and len(data) > 1
+    assert min(data) - min(footer_gets) < 0.1, seen
+
+
+@pytest.mark.parametrize("backend", sorted(_WIRE))
+def test_an_object_read_in_one_request_brings_its_footer_along(backend: str, request: pytest.FixtureRequest) -> None:
+    """Where a rank reads an object whole with one request, the footer is that request's tail: one GET for
+    the object, not two (and none before the data); without guessed reads, the footer's GET comes first,
+    alone."""
+    seen, footers = _wire_load(backend, request, TransferConfig())
+    ((footer_start, footer_end),) = footers.items()
+    assert len(seen) == 1, seen
+    _, first, last = seen[0]
+    assert first < footer_start and last == footer_end - 1
+    seen, footers = _wire_load(backend, request, TransferConfig(speculative_reads=False), "waiting")
+    ((footer_start, _),) = footers.items()
+    assert len(seen) == 2 and seen[0][1] == footer_start, seen
 
 
 def test_an_abandoned_run_returns_every_lease() -> None:

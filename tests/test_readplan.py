@@ -79,6 +79,7 @@ def _check(
         ends_segment = req.parts[-1][2] == segments[req.parts[-1][0]].end
         assert length <= chunk or one_block or (ends_segment and length <= chunk + chunk // TAIL_SLACK), (req, chunk)
         assert length - wanted - free <= ratio * wanted + 1e-9, "discarded bytes above the ratio"
+    assert [r.last for r in requests] == [i == len(requests) - 1 for i in range(len(requests))]
     for i, seg in enumerate(segments):
         pieces = covered.get(i, [])
         assert pieces and pieces[0][0] == seg.start and pieces[-1][1] == seg.end
@@ -177,7 +178,7 @@ def test_only_framing_separates_tiny_wanted_items() -> None:
     requests = plan_requests(segments, max_gap=64 * 1024, ratio=0.125, chunk=16 << 20, free_gap=FRAMING_GAP)
     assert len(requests) == 1
     assert plan_requests(segments, max_gap=64 * 1024, ratio=0.125, chunk=16 << 20) == [
-        Request(s.start, s.end, [(k, s.start, s.end)], 4) for k, s in enumerate(segments)
+        Request(s.start, s.end, [(k, s.start, s.end)], 4, last=k == len(segments) - 1) for k, s in enumerate(segments)
     ]
 
 

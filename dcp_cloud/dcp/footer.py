@@ -16,8 +16,9 @@ The metadata keeps one ``(offset, length)`` per object
 (:func:`dcp_cloud.dcp.layout.footer_table`), not per item, so a checkpoint's
 ``.metadata`` is stock-sized at any world size. A reader fetches the footer of
 each object it reads with one ranged GET (about 0.1% of the object, plus 32
-bytes per item) before it plans the object's reads; the trailer tells a
-damaged footer from damaged data.
+bytes per item), or, where it reads the whole object with one request, as the
+tail of that request (:class:`Rider`); the trailer tells a damaged footer from
+damaged data.
 """
 
 from __future__ import annotations
@@ -161,6 +162,67 @@ def fetch(store: ObjectStore, key: str, url: str, place: Any) -> dict[int, ItemE
     return _read(store, key, url, place)
 
 
+class Rider:
+    """An object's footer that may come as the tail of the object's only data request, saving its own GET.
+
+    ``future`` is what the object's guessed reads confirm against. Either the
+    data request carries the footer (its worker calls :meth:`land` with the
+    footer's bytes before it checks any item), or :meth:`send` queues a GET of
+    its own, which the caller must do before it queues any read that waits
+    for the footer (the pool takes work in order).
+    """
+
+    def __init__(self, engine: TransferEngine, key: str, url: str, place: Any) -> None:
+        self.engine, self.key, self.url = engine, key, url
+        self.start, self.length = place_of(place, url)
+        self.future: Future[dict[int, ItemExtras]] = Future()
+        #: True once the footer is on its way with a GET of its own (or was carried).
+        self.sent = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def send(self) -> None:
+        """Queue the footer's own GET (once; called on the thread that queues the object's reads)."""
+        if self.sent:
+            return
+        self.sent = True
+        recorder = self.engine.recorder
+
+        def counted(nbytes: int) -> None:
+            recorder.add_read(nbytes)
+            recorder.add_index_read(nbytes)
+
+        place = (self.start, self.length)
+        inner = self.engine.submit(_read, self.engine.store, self.key, self.url, place, counted, recorder.on_retry)
+        inner.add_done_callback(self._settle)
+
+    def carried(self) -> None:
+        """The footer is the tail of a data request now being queued."""
+        self.sent = True
+
+    def land(self, body: memoryview) -> None:
+        """Decode the footer read as the tail of a data request (its bytes already counted as read), and
+        settle :attr:`future`; raises what it settles with."""
+        self.engine.recorder.add_index_read(len(body))
+        try:
+            footer = _decode_or_reread(
+                self.engine.store, self.key, self.url, self.start, bytearray(body), self.engine.recorder.on_retry
+            )
+        except BaseException as exc:
+            self.future.set_exception(exc)
+            raise
+        self.future.set_result(footer)
+
+    def _settle(self, inner: Future[dict[int, ItemExtras]]) -> None:
+        exc = inner.exception()
+        if exc is not None:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(inner.result())
+
+
 def _read(
     store: ObjectStore,
     key: str,
@@ -179,7 +241,20 @@ def _read(
         raise _missing(exc, url, start, length) from exc
     if on_read is not None:
         on_read(length)
-    describe = f"of {url} (bytes {start}..{start + length})"
+    return _decode_or_reread(store, key, url, start, buf, on_retry)
+
+
+def _decode_or_reread(
+    store: ObjectStore,
+    key: str,
+    url: str,
+    start: int,
+    buf: bytearray,
+    on_retry: Callable[[str, BaseException], None] | None = None,
+) -> dict[int, ItemExtras]:
+    """Decode the footer bytes ``buf`` read from ``start`` of ``key``; on a mismatch with its own CRC, read it
+    once more, alone."""
+    describe = f"of {url} (bytes {start}..{start + len(buf)})"
     try:
         return decode(buf, describe)
     except CorruptCheckpointError as exc:

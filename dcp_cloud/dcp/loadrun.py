@@ -12,7 +12,10 @@ land in one small discard buffer. Each request verifies the blocks of every
 item it holds, in the worker that read it; a mismatching block is read once
 more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names the item.
 An item planned from guessed extras (:mod:`.prediction`) is confirmed by the
-same check, against its footer, before it is verified or committed.
+same check, against its footer, before it is verified or committed. Where an
+object's items go in one request that ends by the object's footer, the footer
+is that request's tail (:class:`~dcp_cloud.dcp.footer.Rider`): one GET for the
+object, and no read ever waits for a footer queued behind it.
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
 one request each, as before.
@@ -47,9 +50,10 @@ from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .chunks import ChunkIndex
 from .commit import commit, commit_whole
+from .footer import Rider
 from .layout import ItemExtras
 from .prediction import Guess
-from .readplan import FRAMING_GAP, Segment, iter_requests, plan_spans
+from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
 
 log = logging.getLogger("dcp_cloud")
@@ -160,6 +164,8 @@ class LoadRun:
         self._b_outs: list[memoryview] = []
         self._b_checks: list[tuple[_Item, int, list[memoryview]]] = []
         self._b_done: list[_Item] = []
+        #: The footer that rides on the request being built, if that request ends up whole (see read_object).
+        self._rider: Rider | None = None
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -177,6 +183,7 @@ class LoadRun:
                 fut.exception()
         self.pending.clear()
         self._b_outs, self._b_checks, self._b_done = [], [], []
+        self._rider = None
         self._give(self._held)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
@@ -361,11 +368,19 @@ class LoadRun:
         item.fills = []
 
     def read_object(
-        self, key: str, url: str, entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]]
+        self,
+        key: str,
+        url: str,
+        entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
+        rider: Rider | None = None,
     ) -> None:
         """Read the items of object ``key`` (``(req, info, extras, what, sink)``, sorted by offset) with
         coalesced requests; the first requests go out while later items are still being planned. An item
-        with a ``sink`` lands its whole stored chunk there and is not committed."""
+        with a ``sink`` lands its whole stored chunk there and is not committed.
+
+        ``rider``: the object's footer, not yet sent. Where the items go in one request that ends within
+        :data:`FRAMING_GAP` of the footer, the footer is read as that request's tail; otherwise its own
+        GET is queued before the object's first data request."""
         owners: list[_Item] = []
         block_of = self.transfer.verify_checksums
 
@@ -391,7 +406,12 @@ class LoadRun:
             neighbour_gap=t.reshard_gap,
         )
         for request in requests:
-            if request.end - request.start > request.wanted and not len(self._discard):
+            if rider is not None and not rider.sent:
+                if request.last and self._may_carry(request, rider):
+                    self._rider = rider  # sent with this request unless a lease sends part of it first
+                else:
+                    rider.send()
+            if (request.end - request.start > request.wanted or self._rider is not None) and not len(self._discard):
                 self._reserve_discard()
             self._b_key, self._b_url = key, url
             for index, start, end in request.parts:
@@ -399,7 +419,20 @@ class LoadRun:
                 if item.target is None:
                     self._prepare(item)
                 self._add(item, start, end)
-            self._send()
+            self._send(carry=True)
+
+    def _may_carry(self, request: Request, rider: Rider) -> bool:
+        """Whether ``request`` may read the footer as its tail: the gap to it is one the plan would read
+        through (framing, or within ``coalesce_ratio`` of the request's wanted bytes; none with
+        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within ``read_chunk_size``
+        (plus the slack a request may run over)."""
+        t = self.transfer
+        gap = rider.start - request.end
+        discarded = request.end - request.start - request.wanted - request.free
+        through = gap <= min(FRAMING_GAP, t.coalesce_gap) or (
+            gap <= t.coalesce_gap and discarded + gap <= t.coalesce_ratio * request.wanted
+        )
+        return gap >= 0 and through and rider.end - request.start <= t.read_chunk_size * (1 + 1 / TAIL_SLACK)
 
     def _reserve_discard(self) -> None:
         """One buffer that every gap of every request is read into (and nobody reads); longer gaps use it
@@ -420,11 +453,7 @@ class LoadRun:
         if not outs:
             self._b_start = start
         elif start > self._b_end:
-            gap, discard = start - self._b_end, self._discard
-            while gap:
-                n = min(gap, len(discard))
-                outs.append(discard[:n])
-                gap -= n
+            self._gap_to(outs, start)
         views = item.views(start, end)
         outs.extend(views)
         if item.verify or isinstance(item.extras, Guess):
@@ -433,16 +462,40 @@ class LoadRun:
         if end == item.end:
             self._b_done.append(item)
 
-    def _send(self) -> None:
-        """Send the request being built."""
+    def _gap_to(self, outs: list[memoryview], pos: int) -> None:
+        """Read object bytes ``[_b_end, pos)`` of the request being built into the discard buffer."""
+        gap, discard = pos - self._b_end, self._discard
+        while gap:
+            n = min(gap, len(discard))
+            outs.append(discard[:n])
+            gap -= n
+
+    def _send(self, carry: bool = False) -> None:
+        """Send the request being built; with ``carry`` (it is complete), with the footer waiting to ride on
+        it as its tail. A request sent early (a lease ran short) sends the footer's own GET first."""
+        rider, self._rider = self._rider, None
+        if rider is not None and not carry:
+            rider.send()
+            rider = None
         if not self._b_outs:
+            if rider is not None:
+                rider.send()
             return
         outs, checks, done = self._b_outs, self._b_checks, self._b_done
         self._b_outs, self._b_checks, self._b_done = [], [], []
         key, start, end = self._b_key, self._b_start, self._b_end
+        tail: memoryview | None = None
+        if rider is not None:
+            rider.carried()
+            self._gap_to(outs, rider.start)
+            tail = memoryview(bytearray(rider.length))
+            outs.append(tail)
+            end = rider.end
         what = f"bytes {start}..{end} of {self._b_url}"
 
         def check(offset: int, views: list[memoryview]) -> None:
+            if rider is not None and tail is not None:
+                rider.land(tail)  # before any guess of this request is confirmed against it
             for item, item_start, item_views in checks:
                 extras = _real(item.extras)
                 if not (item.verify and extras.block_size):
@@ -458,7 +511,7 @@ class LoadRun:
             for item in done:
                 self._finish_item(item)
 
-        future = self.engine.read_at(key, start, outs, check=check if checks else None)
+        future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
         self.pending.append(_Pending([future], finish, 0, what))
 
     # -- verification -----------------------------------------------------

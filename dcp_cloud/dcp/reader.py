@@ -53,7 +53,7 @@ from .backend import Backend
 from .base import CloudBase, log
 from .chunks import ChunkIndex
 from .compression import check_descriptors
-from .footer import fetch_all, fetch_async, fetch_each
+from .footer import Rider, fetch_all, fetch_async, fetch_each
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import LoadRun
 from .metashare import broadcast_bytes, sharing_group
@@ -319,9 +319,17 @@ class CloudReader(CloudBase, StorageReader):
             return
         wanted = self._footer_places(records, {key: url for key, (url, _) in by_key.items()})
         if guessing:
-            pending = fetch_async(run.engine, wanted)  # sent before any data read (see fetch_async)
+            # An object read whole with one request has its footer read as that request's tail (a Rider);
+            # the other footers are sent before any data read (see fetch_async).
+            riders = {
+                key: Rider(run.engine, key, url, wanted[key][1])
+                for key, (url, recs) in by_key.items()
+                if all(req.type != LoadItemType.BYTE_IO and not transform_descriptors(info) for info, req in recs)
+            }
+            pending = fetch_async(run.engine, {key: place for key, place in wanted.items() if key not in riders})
             for key, (url, recs) in by_key.items():
-                self._start_object(run, key, url, recs, pending[key])
+                rider = riders.get(key)
+                self._start_object(run, key, url, recs, rider.future if rider else pending[key], rider)
             return
         for key, footer in fetch_each(run.engine, wanted):
             url, recs = by_key[key]
@@ -334,14 +342,18 @@ class CloudReader(CloudBase, StorageReader):
         url: str,
         records: list[tuple[Any, ReadItem]],
         footer: Future[dict[int, ItemExtras]] | None,
+        rider: Rider | None = None,
     ) -> None:
         """Start the reads of the items ``records`` (sorted by offset) of object ``key``; ``footer``: its
-        index footer, perhaps still on its way (None: format 1, the extras are in the records)."""
+        index footer, perhaps still on its way (None: format 1, the extras are in the records); ``rider``:
+        that footer when it is not sent yet (it is, before anything waits for it)."""
         coalesced: list[Any] = []
         for info, req in records:
             what = f"{req.storage_index.fqn!r} from {url}"
-            extras = self._extras_or_guess(footer, key, info, req, what)
+            extras = self._extras_or_guess(footer, key, info, req, what, rider)
             descs = transform_descriptors(info)
+            if rider is not None and extras is not None and (descs or req.type == LoadItemType.BYTE_IO):
+                rider.send()  # a whole read's check waits for the footer
             if descs:  # compressed: read whole, checked against the stored bytes, then decoded
                 check_descriptors(descs, what)
                 run.start_whole(req, key, info, extras, what, transforms=descs)
@@ -352,7 +364,7 @@ class CloudReader(CloudBase, StorageReader):
             else:
                 coalesced.append((req, info, extras, what, None))
         if coalesced:
-            run.read_object(key, url, coalesced)
+            run.read_object(key, url, coalesced, rider)
 
     def _fetch_footers(
         self, run: LoadRun, records: list[tuple[Any, ReadItem]], urls: dict[str, str]
@@ -381,10 +393,16 @@ class CloudReader(CloudBase, StorageReader):
         return wanted
 
     def _extras_or_guess(
-        self, footer: Future[dict[int, ItemExtras]] | None, key: str, info: Any, req: ReadItem, what: str
+        self,
+        footer: Future[dict[int, ItemExtras]] | None,
+        key: str,
+        info: Any,
+        req: ReadItem,
+        what: str,
+        rider: Rider | None = None,
     ) -> ItemExtras | None:
         """An item's extras: from its record (format 1), from the footer once it is in, else guessed (waiting
-        for the footer only where the item cannot be guessed)."""
+        for the footer only where the item cannot be guessed, after sending it if it is a ``rider``)."""
         if footer is None:
             return extras_of(info)
         if not footer.done():
@@ -403,6 +421,8 @@ class CloudReader(CloudBase, StorageReader):
             guessed = guess(info, chunk, nbytes, whole, self.transfer.checksum_block_size, confirm)
             if guessed is not None:
                 return guessed
+        if rider is not None:
+            rider.send()
         return self._extras({key: footer.result()}, key, info, what)
 
     def _extras(self, footers: dict[str, dict[int, ItemExtras]], key: str, info: Any, what: str) -> ItemExtras | None:

@@ -109,6 +109,8 @@ class Request:
     wanted: int = 0
     #: Discarded bytes of gaps not held to the ratio (framing, and gaps between neighbouring items).
     free: int = 0
+    #: True on the last request of a plan (every segment is in it or in an earlier one).
+    last: bool = False
 
 
 def _cut(seg: Segment, pos: int, room: int, slack: int) -> int:
@@ -185,6 +187,8 @@ def iter_requests(
       short holds only the torch.save framing between two wanted items,
       never an item nobody asked for.)
 
+    * the last request yielded, and no other, has ``last`` set.
+
     Merging is greedy from the lowest offset: a segment joins the open
     request when the gap, the size and the ratio rules allow. ``O(n + r)``
     for ``n`` segments and ``r`` requests. The indexes in ``parts`` count
@@ -239,4 +243,5 @@ def iter_requests(
                 yield cur
                 cur = None
     if cur is not None:
+        cur.last = True
         yield cur
