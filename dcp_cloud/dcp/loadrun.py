@@ -378,9 +378,9 @@ class LoadRun:
         coalesced requests; the first requests go out while later items are still being planned. An item
         with a ``sink`` lands its whole stored chunk there and is not committed.
 
-        ``rider``: the object's footer, not yet sent. Where the items go in one request that ends within
-        :data:`FRAMING_GAP` of the footer, the footer is read as that request's tail; otherwise its own
-        GET is queued before the object's first data request."""
+        ``rider``: the object's footer, not yet sent. Where the items go in one request that may read on
+        to the footer (:meth:`_may_carry`), the footer is that request's tail; otherwise its own GET is
+        queued before the object's first data request."""
         owners: list[_Item] = []
         block_of = self.transfer.verify_checksums
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -130,21 +131,9 @@ def _neighbours(a: Segment, b: Segment, free_gap: int) -> bool:
     return a.item is not None and b.item is not None and b.item[0] - a.item[1] <= free_gap
 
 
-def plan_requests(
-    segments: Iterable[Segment],
-    *,
-    max_gap: int,
-    ratio: float,
-    chunk: int,
-    free_gap: int = 0,
-    neighbour_gap: int = 0,
-) -> list[Request]:
-    """:func:`iter_requests` as a list."""
-    return list(
-        iter_requests(
-            segments, max_gap=max_gap, ratio=ratio, chunk=chunk, free_gap=free_gap, neighbour_gap=neighbour_gap
-        )
-    )
+def plan_requests(segments: Iterable[Segment], **rules: Any) -> list[Request]:
+    """:func:`iter_requests` as a list (``rules``: its keyword arguments)."""
+    return list(iter_requests(segments, **rules))
 
 
 def iter_requests(
