@@ -29,7 +29,6 @@ bounded buffers.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,8 +36,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
@@ -52,6 +49,7 @@ from .chunks import ChunkIndex
 from .commit import commit, commit_whole
 from .footer import Rider
 from .layout import ItemExtras
+from .loaditem import LoadItem
 from .prediction import Guess
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
@@ -73,64 +71,6 @@ class _Pending:
     finish: Callable[[], None]
     lease: int
     what: str
-
-
-class _Item:
-    """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
-
-    __slots__ = (
-        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "limit", "req",
-        "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
-    )  # fmt: skip
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    #: Shape of the requested box.
-    lengths: tuple[int, ...]
-    #: Start of each byte run of the box in the checked bytes (None: the whole chunk, one run).
-    src: npt.NDArray[np.int64] | None
-    run_nbytes: int
-    #: ``plan_spans`` segments, offsets into the checked bytes.
-    spans: list[tuple[int, int, int, int]]
-    #: Bytes of the box.
-    wanted: int
-    #: Object offset where the item's last segment ends.
-    end: int
-    #: Object offset where the item's raw tensor bytes end (``base`` + the whole chunk's bytes).
-    limit: int
-
-    def __init__(self, req: ReadItem, what: str, key: str, base: int, extras: ItemExtras, verify: bool) -> None:
-        self.req = req
-        self.what = what
-        self.key = key
-        #: Object offset of the item's raw tensor bytes (the checked region, and the block grid's origin).
-        self.base = base
-        self.extras = extras
-        self.verify = verify
-        #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
-        #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
-        self.sink: torch.Tensor | None = None
-        self.target: torch.Tensor | None = None
-        self.dest: torch.Tensor | None = None
-        self.direct = False
-        self.fills: list[memoryview] = []
-        self.starts: list[int] = []
-        self.lease = 0
-
-    def views(self, start: int, end: int) -> list[memoryview]:
-        """The destination/scratch memory of object bytes ``[start, end)`` (inside one segment)."""
-        starts, fills = self.starts, self.fills
-        i = bisect.bisect_right(starts, start) - 1
-        out = []
-        pos = start
-        while pos < end:
-            s = starts[i]
-            view = fills[i]
-            hi = min(len(view), end - s)
-            out.append(view[pos - s : hi])
-            pos = s + hi
-            i += 1
-        return out
 
 
 class LoadRun:
@@ -162,8 +102,8 @@ class LoadRun:
         self._b_start = 0
         self._b_end = 0
         self._b_outs: list[memoryview] = []
-        self._b_checks: list[tuple[_Item, int, list[memoryview]]] = []
-        self._b_done: list[_Item] = []
+        self._b_checks: list[tuple[LoadItem, int, list[memoryview]]] = []
+        self._b_done: list[LoadItem] = []
         #: The footer that rides on the request being built, if that request ends up whole (see read_object).
         self._rider: Rider | None = None
 
@@ -271,7 +211,7 @@ class LoadRun:
     # -- coalesced items --------------------------------------------------
     def plan_item(
         self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str, sink: torch.Tensor | None = None
-    ) -> _Item:
+    ) -> LoadItem:
         """The segments an item needs (no destination yet); with a ``sink``, the whole stored chunk's."""
         found = self.chunks.lookup(req.storage_index)
         if found is None:
@@ -281,7 +221,7 @@ class LoadRun:
         shape, dtype = found
         assert extras.raw_offset is not None
         verify = self.transfer.verify_checksums and extras.block_size > 0
-        item = _Item(req, what, key, info.offset + extras.raw_offset, extras, verify)
+        item = LoadItem(req, what, key, info.offset + extras.raw_offset, extras, verify)
         item.shape, item.dtype = shape, dtype
         item.sink = sink
         item.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
@@ -308,7 +248,7 @@ class LoadRun:
         item.end = item.base + item.spans[-1][1] if item.spans else item.base
         return item
 
-    def _prepare(self, item: _Item) -> None:
+    def _prepare(self, item: LoadItem) -> None:
         """Resolve the destination and lay out where every segment byte goes.
 
         No torch op runs here for a direct destination (see :mod:`.tensorbytes`):
@@ -359,7 +299,7 @@ class LoadRun:
                 used += span_end - cursor
         item.fills, item.starts = fills, fill_starts
 
-    def _finish_item(self, item: _Item) -> None:
+    def _finish_item(self, item: LoadItem) -> None:
         assert item.target is not None
         if item.sink is None:
             commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
@@ -381,7 +321,7 @@ class LoadRun:
         ``rider``: the object's footer, not yet sent. Where the items go in one request that may read on
         to the footer (:meth:`_may_carry`), the footer is that request's tail; otherwise its own GET is
         queued before the object's first data request."""
-        owners: list[_Item] = []
+        owners: list[LoadItem] = []
         block_of = self.transfer.verify_checksums
 
         def segments() -> Iterator[Segment]:
@@ -448,7 +388,7 @@ class LoadRun:
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
 
-    def _add(self, item: _Item, start: int, end: int) -> None:
+    def _add(self, item: LoadItem, start: int, end: int) -> None:
         outs = self._b_outs
         if not outs:
             self._b_start = start
