@@ -188,14 +188,7 @@ class Rider:
         if self.sent:
             return
         self.sent = True
-        recorder = self.engine.recorder
-
-        def counted(nbytes: int) -> None:
-            recorder.add_read(nbytes)
-            recorder.add_index_read(nbytes)
-
-        place = (self.start, self.length)
-        inner = self.engine.submit(_read, self.engine.store, self.key, self.url, place, counted, recorder.on_retry)
+        inner = fetch_async(self.engine, {self.key: (self.url, (self.start, self.length))})[self.key]
         inner.add_done_callback(self._settle)
 
     def carried(self) -> None:

@@ -372,7 +372,8 @@ class LoadRun:
         through = gap <= min(FRAMING_GAP, t.coalesce_gap) or (
             gap <= t.coalesce_gap and discarded + gap <= t.coalesce_ratio * request.wanted
         )
-        return gap >= 0 and through and rider.end - request.start <= t.read_chunk_size * (1 + 1 / TAIL_SLACK)
+        chunk = t.read_chunk_size
+        return gap >= 0 and through and rider.end - request.start <= chunk + chunk // TAIL_SLACK
 
     def _reserve_discard(self) -> None:
         """One buffer that every gap of every request is read into (and nobody reads); longer gaps use it
