@@ -176,11 +176,9 @@ _RESHARD_GAP_ENV = "BENCH_RESHARD_GAP"
 def _transfer(block_kib: int, verify: bool) -> Any:
     import dcp_cloud
 
-    return dcp_cloud.TransferConfig(
-        checksum_block_size=block_kib * 1024,
-        verify_checksums=verify,
-        reshard_gap=int(os.environ.get(_RESHARD_GAP_ENV, "0")),
-    )
+    gap = os.environ.get(_RESHARD_GAP_ENV)
+    extra = {} if gap is None else {"reshard_gap": int(gap)}
+    return dcp_cloud.TransferConfig(checksum_block_size=block_kib * 1024, verify_checksums=verify, **extra)
 
 
 def rank_save(rank: int, world: int, spec: dict, uri: str, dim: int, block_kib: int) -> dict[str, Any]:
@@ -326,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checksum-block-kib", type=int, default=None, help="default: TransferConfig's")
     parser.add_argument("--no-verify", action="store_true", help="load with verify_checksums=False")
     parser.add_argument(
-        "--reshard-gap-kib", type=int, default=0, help="TransferConfig.reshard_gap of every load (default 0)"
+        "--reshard-gap-kib",
+        type=int,
+        default=None,
+        help="TransferConfig.reshard_gap of every load (default: the default)",
     )
     parser.add_argument("--skip-balance", action="store_true")
     parser.add_argument("--timeout", type=float, default=1800.0)
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     from dcp_cloud.testing.proxy import FaultProxy
 
     block_kib = args.checksum_block_kib or dcp_cloud.TransferConfig().checksum_block_size // 1024
+    gap_kib = dcp_cloud.TransferConfig().reshard_gap // 1024 if args.reshard_gap_kib is None else args.reshard_gap_kib
     verify = not args.no_verify
     spec = model_spec(args.vocab, args.hidden, args.ffn, args.layers)
     total = spec_bytes(spec)
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: {len(spec)} fp32 tensors, {fmt_mib(total)} MiB; checksum blocks {block_kib} KiB, "
         f"verify={verify}, coalesce_gap {dcp_cloud.TransferConfig().coalesce_gap // 1024} KiB, "
-        f"reshard_gap {args.reshard_gap_kib} KiB; "
+        f"reshard_gap {gap_kib} KiB; "
         f"torch {torch.__version__}",
         flush=True,
     )
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             env["AWS_ENDPOINT_URL"] = proxy.url
             env["AWS_CONFIG_FILE"] = os.devnull
             env["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
-            env[_RESHARD_GAP_ENV] = str(args.reshard_gap_kib * 1024)
+            env[_RESHARD_GAP_ENV] = str(gap_kib * 1024)
             client = boto3.client(
                 "s3",
                 endpoint_url=moto.endpoint_url,
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"### Read amplification ({fmt_mib(total)} MiB fp32 model, {len(spec)} tensors; "
-        f"checksum blocks {block_kib} KiB, verify={verify}, reshard_gap {args.reshard_gap_kib} KiB)"
+        f"checksum blocks {block_kib} KiB, verify={verify}, reshard_gap {gap_kib} KiB)"
     )
     print()
     print(

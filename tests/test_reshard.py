@@ -9,13 +9,16 @@ dict asks for:
 * with checksum verification and coalescing off (``coalesce_gap=0``), a dim-0
   reshard reads *exactly* the needed bytes (the reader turns each requested
   box into byte runs of the stored chunk);
-* with the defaults (verification on), reads widen to whole checksum blocks,
-  so each read item may add up to two partial blocks, and neighbouring items
-  share requests: the torch.save framing between them (< FRAMING_GAP bytes
-  each) and gaps up to ``coalesce_ratio`` of the bytes read are fetched too;
-* with ``reshard_gap``, a rank reads through the rows other ranks want
-  between its pieces of neighbouring items: at most the saved chunks it
-  overlaps, in one GET per object.
+* with verification on and ``reshard_gap=0`` (byte-precise), reads widen to
+  whole checksum blocks, so each read item may add up to two partial blocks,
+  and neighbouring items share requests: the torch.save framing between them
+  (< FRAMING_GAP bytes each) and gaps up to ``coalesce_ratio`` of the bytes
+  read are fetched too;
+* with the defaults (``reshard_gap`` 256 KiB), a rank reads through the rows
+  other ranks want between its pieces of neighbouring items where those gaps
+  are that short (the 1 MiB tensors of FOUR_RANK saved on 4 ranks leave
+  shorter ones): at most the saved chunks it overlaps, in one GET per object.
+  ``coalesce_gap=0`` turns that off too, so the exact mode above stays exact.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from dcp_cloud import TransferConfig
 from dcp_cloud.dcp.readplan import FRAMING_GAP
 from dcp_cloud.testing.multirank import run_ranks
 
-MiB = 1024 * 1024
 BLOCK = TransferConfig().checksum_block_size  # checkpoints here are saved with the defaults
 RATIO = TransferConfig().coalesce_ratio
 
@@ -135,11 +137,12 @@ def _load_and_measure(
     uri: str,
     verify: bool,
     with_step: bool,
-    reshard_gap: int = 0,
+    reshard_gap: int | None = None,
 ) -> dict[str, Any]:
     """Load ``spec`` sharded as saved (same dims) on this mesh; return what was read and whether it is right.
 
-    ``verify=False`` also turns coalescing off (``coalesce_gap=0``): the byte-exact mode.
+    ``verify=False`` also turns coalescing off (``coalesce_gap=0``): the byte-exact mode. ``reshard_gap``:
+    TransferConfig's default when None.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -149,10 +152,12 @@ def _load_and_measure(
     target = _dtensors(spec, mesh, zeros=True)
     if with_step:
         target["step"] = torch.tensor(0, dtype=torch.int64)
-    exact = {} if verify else {"coalesce_gap": 0}
+    exact: dict[str, int] = {} if verify else {"coalesce_gap": 0}
+    if reshard_gap is not None:
+        exact["reshard_gap"] = reshard_gap
     # share_reads=False: each rank's own reads are measured (the replicated "step" item would otherwise be
     # fetched by one rank and sent to the others; tests/test_shared_reads.py counts that per load job)
-    transfer = dcp_cloud.TransferConfig(verify_checksums=verify, reshard_gap=reshard_gap, **exact)
+    transfer = dcp_cloud.TransferConfig(verify_checksums=verify, **exact)
     reader = dcp_cloud.S3Reader(uri, transfer=transfer, share_reads=False)
     dcp_cloud.load(target, storage_reader=reader)
     want = _dtensors(spec, mesh, zeros=False)
@@ -242,23 +247,30 @@ def in_process_env(checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch)
 def test_two_to_eight_dim0_and_stock_fallback(checkpoints: dict[str, Any]) -> None:
     jobs = [
         (TWO_RANK, checkpoints["two"], False, True),
-        (TWO_RANK, checkpoints["two"], True, True),
+        (TWO_RANK, checkpoints["two"], True, True, 0),
         (TWO_RANK, checkpoints["stock"], True, True),
+        (TWO_RANK, checkpoints["two"], True, True),
     ]
     per_rank = run_ranks(8, _load_many, jobs, env=checkpoints["env"], timeout=600)
-    exact, verified, stock = ([r[i] for r in per_rank] for i in range(3))
-    for results in (exact, verified, stock):
+    exact, verified, stock, defaults = ([r[i] for r in per_rank] for i in range(4))
+    for results in (exact, verified, stock, defaults):
         assert all(r["bad"] == [] for r in results), results
     _report("2->8 dim-0, verify and coalescing off", exact)
-    _report("2->8 dim-0, defaults", verified)
+    _report("2->8 dim-0, reshard_gap 0", verified)
     _report("2->8 dim-0, stock-written (whole items)", stock)
+    _report("2->8 dim-0, defaults (reshard_gap 256 KiB)", defaults)
     for r in exact:
         assert r["read"] == r["needed"], r  # byte-precise: not one byte more
-    # defaults: reads widen to whole checksum blocks, at most two partial blocks per read item
+    # byte-precise with checksums: reads widen to whole checksum blocks, at most two partial blocks per read item
     # (a rank's rows overlap at most 2 saved chunks of each tensor), and coalesce
     pieces = 2 * len(TWO_RANK)
     for r in verified:
         assert r["needed"] <= r["read"] <= _coalesced_bound(r["needed"] + 2 * BLOCK * pieces, pieces)
+    # defaults: gaps between neighbouring items' pieces of up to 256 KiB are read through as well, so a
+    # rank reads at most the saved chunks it overlaps and the framing between them, and never more requests
+    for r, precise in zip(defaults, verified, strict=True):
+        assert r["needed"] <= r["read"] <= r["touched"] + FRAMING_GAP * (pieces + 1), r
+        assert r["requests"]["read"] <= precise["requests"]["read"], (r, precise)
     # stock-written items carry no raw offsets: each saved chunk a rank touches is read whole
     smallest_chunks = sum(torch.Size(shape).numel() * 4 // 2 - 4 for shape, _ in TWO_RANK.values())
     for r in stock:
@@ -272,18 +284,18 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
     dim1 = {k: v for k, v in FOUR_RANK.items() if v[1] == 1}
     jobs = [
         (dim0, checkpoints["four"], False, False),
-        (dim0, checkpoints["four"], True, False),
+        (dim0, checkpoints["four"], True, False, 0),
         (dim1, checkpoints["four"], False, False),
         (dim1, checkpoints["four"], True, False),
-        (dim0, checkpoints["four"], True, False, MiB),
+        (dim0, checkpoints["four"], True, False),
     ]
     per_rank = run_ranks(3, _load_many, jobs, env=checkpoints["env"], timeout=600)
     exact0, verified0, exact1, verified1, through0 = ([r[i] for r in per_rank] for i in range(5))
     for results in (exact0, verified0, exact1, verified1, through0):
         assert all(r["bad"] == [] for r in results), results
     _report("4->3 uneven dim-0, verify and coalescing off", exact0)
-    _report("4->3 uneven dim-0, defaults", verified0)
-    _report("4->3 uneven dim-0, reshard_gap 1 MiB", through0)
+    _report("4->3 uneven dim-0, reshard_gap 0", verified0)
+    _report("4->3 uneven dim-0, defaults (reshard_gap 256 KiB)", through0)
     r1 = _report("4->3 Shard(1), verify and coalescing off", exact1)
     _report("4->3 Shard(1), defaults", verified1)
     for r in exact0:
@@ -292,9 +304,10 @@ def test_four_to_three_uneven_and_dim1(checkpoints: dict[str, Any]) -> None:
     for r in verified0:
         assert r["needed"] <= r["read"] <= _coalesced_bound(r["needed"] + 2 * BLOCK * pieces, pieces)
     for r, precise in zip(through0, verified0, strict=True):
-        # with reshard_gap, a rank's pieces of neighbouring items share requests: it reads through the rows
-        # other ranks want, so at most the saved chunks it overlaps and the framing between them; each saving
-        # rank wrote one object (< part_size), each read with one GET besides its index footer's
+        # by default a rank's pieces of neighbouring items share requests (the gaps between them are under
+        # 256 KiB): it reads through the rows other ranks want, so at most the saved chunks it overlaps and
+        # the framing between them; each saving rank wrote one object (< part_size), each read with one GET
+        # besides its index footer's
         assert r["needed"] <= r["read"] <= r["touched"] + FRAMING_GAP * pieces, r
         assert r["requests"]["read"] <= 2 * 2 < precise["requests"]["read"], (r, precise)
     # Shard(1): each row of a saved chunk holds a run; runs closer than coalesce_gap are fetched

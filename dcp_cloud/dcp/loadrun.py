@@ -343,7 +343,7 @@ class LoadRun:
             ratio=t.coalesce_ratio,
             chunk=t.read_chunk_size,
             free_gap=FRAMING_GAP,
-            neighbour_gap=t.reshard_gap,
+            neighbour_gap=t.reshard_gap if t.coalesce_gap else 0,  # coalesce_gap=0: byte-exact
         )
         for request in requests:
             if rider is not None and not rider.sent:
