@@ -207,6 +207,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kind = spec["kind"]
     weights_only = kind == "load_weights"
     sd = make_share(spec["world"], spec["rank"], spec["weights_dtype"], zeros=kind != "save", weights_only=weights_only)
+    if spec["contender"] != "stock":
+        # This process stands for one rank of a job of spec["world"]; the reader cuts a rank's reads by the
+        # size of its job (every rank reads under one prefix at once), which it learns from the process group
+        # this process does not have.
+        from dcp_cloud.dcp.reader import CloudReader
+
+        CloudReader._world = lambda self: int(spec["world"])  # type: ignore[method-assign]
     probe = C.PeakProbe()
     probe.start()
     t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from dcp_cloud.dcp.chunks import ChunkIndex
 from dcp_cloud.dcp.footer import fetch
 from dcp_cloud.dcp.layout import ItemExtras, footer_table, load_metadata, transform_descriptors
 from dcp_cloud.dcp.reader import CloudReader
+from dcp_cloud.dcp.readplan import JOB_SPLIT_REQUESTS, MIN_SPLIT, TAIL_SLACK
 from dcp_cloud.dcp.writer import CloudWriter
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.wrapper import StoreWrapper
@@ -319,6 +320,14 @@ def _within(seconds: float, fn: Any) -> Any:
     return out[0]
 
 
+@pytest.fixture
+def uncut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads here stand for a rank of a job too large to cut its reads for parallelism (see
+    readplan.request_size): the ~10 MiB object of ``_tensors`` is read in one request, as these tests need."""
+    monkeypatch.setattr(CloudReader, "_world", lambda self: JOB_SPLIT_REQUESTS)
+
+
+@pytest.mark.usefixtures("uncut")
 def test_an_object_read_in_one_request_carries_its_footer() -> None:
     """An object a load reads whole with one request: one GET for items and footer, where a load that waits
     for the footer makes two; the carried footer costs the read the framing after the last bytes it reads
@@ -336,6 +345,7 @@ def test_an_object_read_in_one_request_carries_its_footer() -> None:
     assert waited.stats.bytes_read < carried.stats.bytes_read <= waited.stats.bytes_read + 4096
 
 
+@pytest.mark.usefixtures("uncut")
 def test_a_wrong_guess_with_a_carried_footer_is_read_again(caplog: pytest.LogCaptureFixture) -> None:
     """The footer carried by the object's one request tells a wrong guess (16 KiB blocks saved): the load
     warns, reads again from the footers and lands the right bytes."""
@@ -350,6 +360,7 @@ def test_a_wrong_guess_with_a_carried_footer_is_read_again(caplog: pytest.LogCap
     assert reader.stats.requests["read"] == 1 + 2  # carried; then the footer's own GET and the items'
 
 
+@pytest.mark.usefixtures("uncut")
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_a_request_sent_early_for_the_budget_sends_the_footer_first(concurrency: int) -> None:
     """Targets of another dtype need temporaries; with a 2 MiB budget the request being built is sent early,
@@ -381,17 +392,17 @@ _WIRE: dict[str, tuple[str, str, str, str, Any, Any, str]] = {
 
 
 def _wire_load(
-    backend: str, request: pytest.FixtureRequest, transfer: TransferConfig, name: str = "guessed"
+    backend: str, request: pytest.FixtureRequest, transfer: TransferConfig, name: str = "guessed", tensors: int = 6
 ) -> tuple[list[tuple[float, int, int]], dict[int, int]]:
-    """Save 6 x 256 KiB in one object, then load it behind a proxy adding 100 ms each way; return every
-    ranged GET the server got (arrival, first byte, last byte) and the footers' places (start -> end)."""
+    """Save ``tensors`` x 256 KiB in one object, then load it behind a proxy adding 100 ms each way; return
+    every ranged GET the server got (arrival, first byte, last byte) and the footers' places (start -> end)."""
     server, address, bucket, store_fixture, writer_cls, reader_cls, keyword = _WIRE[backend]
     upstream = getattr(request.getfixturevalue(server), address)
     uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/{name}"
     store = request.getfixturevalue(store_fixture)
     writer = writer_cls(uri, **{keyword: upstream})
 
-    state = {f"t{i}": torch.randn(256, 256) for i in range(6)}
+    state = {f"t{i}": torch.randn(256, 256) for i in range(tensors)}
     dcp.save(state, storage_writer=writer)
     metadata = load_metadata(store.get(f"{name}/.metadata"), uri)
     footers = {start: start + length for start, length in (footer_table(metadata) or {}).values()}
@@ -440,6 +451,29 @@ def test_an_object_read_in_one_request_brings_its_footer_along(backend: str, req
     seen, footers = _wire_load(backend, request, TransferConfig(speculative_reads=False), "waiting")
     ((footer_start, _),) = footers.items()
     assert len(seen) == 2 and seen[0][1] == footer_start, seen
+
+
+@pytest.mark.parametrize("backend", sorted(_WIRE))
+def test_a_small_load_spreads_over_the_connections(
+    backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process loading an 8 MiB object (32 x 256 KiB) cuts it into 4 data GETs of <= ~2 MiB, sent at once
+    beside the footer's GET, instead of one 8 MiB GET on one connection; a 1.5 MiB object (under
+    2 x MIN_SPLIT) stays one GET that carries its footer (the test above), and so does the 8 MiB object in a
+    job of thousands of ranks."""
+    seen, footers = _wire_load(backend, request, TransferConfig(), "spread", tensors=32)
+    ((footer_start, _),) = footers.items()
+    data = sorted((first, last, t) for t, first, last in seen if first != footer_start)
+    assert len(data) == 4 and len(seen) == 5, seen
+    # each about a quarter of the object's data (a request may run over its size by 1/TAIL_SLACK to end an item)
+    assert all(MIN_SPLIT // 2 <= last - first + 1 <= footer_start / 4 * (1 + 1 / TAIL_SLACK) for first, last, _ in data)
+    arrivals = [t for _, _, t in data]
+    assert max(arrivals) - min(arrivals) < 0.1, seen  # in parallel: not one a round trip after another
+    # the same rank in a job of 4,096 ranks reading under one prefix: one GET for the object, footer included
+    monkeypatch.setattr(CloudReader, "_world", lambda self: 4096)
+    seen, footers = _wire_load(backend, request, TransferConfig(), "crowded", tensors=32)
+    ((_, footer_end),) = footers.items()
+    assert len(seen) == 1 and seen[0][2] == footer_end - 1, seen
 
 
 def test_an_abandoned_run_returns_every_lease() -> None:

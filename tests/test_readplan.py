@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_cloud.dcp.readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, plan_requests
+from dcp_cloud.dcp.readplan import (
+    FRAMING_GAP,
+    JOB_SPLIT_REQUESTS,
+    MIN_SPLIT,
+    TAIL_SLACK,
+    Request,
+    Segment,
+    plan_requests,
+    request_size,
+)
 
 
 @st.composite
@@ -216,3 +225,41 @@ def test_bad_input_is_refused() -> None:
         plan_requests([Segment(10, 20), Segment(15, 30)], max_gap=0, ratio=0, chunk=10)
     with pytest.raises(ValueError):
         plan_requests([], max_gap=-1, ratio=0, chunk=10)
+
+
+MiB = 1024 * 1024
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 1024 * MiB), min_size=1, max_size=64),
+    st.sampled_from([1, 2, 3, 4, 8, 64, 1024, 2500, 4096, 8192]),
+    st.sampled_from([1, 2, 8, 16, 64]),
+    st.sampled_from([MiB, 4 * MiB, 16 * MiB, 64 * MiB]),
+)
+def test_a_rank_cuts_its_reads_only_within_the_jobs_request_budget(
+    sizes: list[int], world: int, concurrency: int, chunk: int
+) -> None:
+    size = request_size(sizes, world, concurrency, chunk)
+    assert 1 <= size <= chunk
+    if size < chunk:  # cut for parallelism: never below MIN_SPLIT, within the connections and the job's share
+        pieces = -(-sum(sizes) // size)
+        assert size >= MIN_SPLIT
+        assert pieces <= concurrency - len(sizes)
+        assert pieces * world <= JOB_SPLIT_REQUESTS
+        assert max(sizes) - size >= MIN_SPLIT  # the largest object moves at least MIN_SPLIT fewer bytes per request
+
+
+def test_a_few_ranks_loading_small_shards_use_their_connections_and_thousands_do_not() -> None:
+    # 4 ranks, one 8 MiB object each, 8 connections: 4 requests of 2 MiB (the fifth connection: its footer)
+    assert request_size([8 * MiB], 4, 8, 16 * MiB) == 2 * MiB
+    # the same rank in a job of 4,096: one request per object, as many as the prefix serves at once
+    assert request_size([8 * MiB], 4096, 8, 16 * MiB) == 16 * MiB
+    # a rank whose objects fill its connections (4 ranks, 512 MiB: 8 objects of 16 MiB): unchanged
+    assert request_size([16 * MiB] * 8, 4, 8, 16 * MiB) == 16 * MiB
+    # too little to cut (under 2 x MIN_SPLIT), and a load alone with 16 connections
+    assert request_size([3 * MiB], 1, 16, 16 * MiB) == 16 * MiB
+    assert request_size([64 * MiB], 1, 16, 16 * MiB) == -(-64 * MiB // 15)
+    # four objects of 3.7 MiB on 16 connections: cutting would move each in ~2 MiB, saving less than
+    # MIN_SPLIT per connection, for a footer GET and a data GET more per object: not cut
+    assert request_size([3_800_000] * 4, 1, 16, 16 * MiB) == 16 * MiB

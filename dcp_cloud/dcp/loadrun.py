@@ -84,10 +84,14 @@ class LoadRun:
         chunks: ChunkIndex,
         recorder: StatsRecorder,
         checkpoint_id: str,
+        chunk: int | None = None,
     ) -> None:
         self.engine = engine
         self.planner = planner
         self.transfer = transfer
+        #: Most bytes of one planned request (``read_chunk_size`` unless :func:`.readplan.request_size` cut
+        #: it smaller to spread a small load over the connections).
+        self.chunk = chunk or transfer.read_chunk_size
         self.chunks = chunks
         self.recorder = recorder
         self.checkpoint_id = checkpoint_id
@@ -341,7 +345,7 @@ class LoadRun:
             segments(),
             max_gap=t.coalesce_gap,
             ratio=t.coalesce_ratio,
-            chunk=t.read_chunk_size,
+            chunk=self.chunk,
             free_gap=FRAMING_GAP,
             neighbour_gap=t.reshard_gap if t.coalesce_gap else 0,  # coalesce_gap=0: byte-exact
         )
@@ -364,7 +368,7 @@ class LoadRun:
     def _may_carry(self, request: Request, rider: Rider) -> bool:
         """Whether ``request`` may read the footer as its tail: the gap to it is one the plan would read
         through (framing, or within ``coalesce_ratio`` of the request's wanted bytes; none with
-        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within ``read_chunk_size``
+        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within the run's ``chunk``
         (plus the slack a request may run over)."""
         t = self.transfer
         gap = rider.start - request.end
@@ -372,7 +376,7 @@ class LoadRun:
         through = gap <= min(FRAMING_GAP, t.coalesce_gap) or (
             gap <= t.coalesce_gap and discarded + gap <= t.coalesce_ratio * request.wanted
         )
-        chunk = t.read_chunk_size
+        chunk = self.chunk
         return gap >= 0 and through and rider.end - request.start <= chunk + chunk // TAIL_SLACK
 
     def _reserve_discard(self) -> None:

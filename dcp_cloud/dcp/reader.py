@@ -58,6 +58,7 @@ from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_met
 from .loadrun import LoadRun
 from .metashare import broadcast_bytes, sharing_group
 from .prediction import GuessMiss, confirmed, guess
+from .readplan import request_size
 from .sharedreads import Exchange
 
 
@@ -197,6 +198,12 @@ class CloudReader(CloudBase, StorageReader):
             return plans
         return [replace(plan, storage_data=schedule) for plan in plans]
 
+    def _world(self) -> int:
+        """Ranks of the load job (1 without a process group)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return int(dist.get_world_size(self.process_group))
+
     def _wanted_bytes(self, req: ReadItem, info: Any) -> int:
         """Bytes of the stored item ``info`` that ``req`` needs fetched (all of it when it is read whole)."""
         if req.type == LoadItemType.BYTE_IO or transform_descriptors(info):
@@ -225,8 +232,13 @@ class CloudReader(CloudBase, StorageReader):
         records = [(self._info(req), req) for req in plan.items]
         records.sort(key=lambda r: (r[0].relative_path, r[0].offset))
         schedule = plan.storage_data if isinstance(plan.storage_data, ShareSchedule) else None
+        sizes: dict[str, int] = {}
+        for info, req in records:
+            sizes[info.relative_path] = sizes.get(info.relative_path, 0) + self._wanted_bytes(req, info)
+        t = self.transfer
+        chunk = request_size(list(sizes.values()) or [0], self._world(), t.concurrency, t.read_chunk_size)
         with self._engine() as engine:
-            run = LoadRun(engine, planner, self.transfer, self._chunks, self._recorder, self.checkpoint_id)
+            run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk)
             if schedule is None:
                 self._read_own(run, records)
             else:

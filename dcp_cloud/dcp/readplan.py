@@ -31,14 +31,25 @@ of its own is not made: a 16 MiB tensor with its framing and block edges
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FRAMING_GAP", "TAIL_SLACK", "Request", "Segment", "iter_requests", "plan_requests", "plan_spans"]
+__all__ = [
+    "FRAMING_GAP",
+    "JOB_SPLIT_REQUESTS",
+    "MIN_SPLIT",
+    "TAIL_SLACK",
+    "Request",
+    "Segment",
+    "iter_requests",
+    "plan_requests",
+    "plan_spans",
+    "request_size",
+]
 
 #: The longest gap always read through: torch.save puts ~1.5 KiB of zip framing
 #: (trailer of one item, header of the next) between the raw bytes of two
@@ -50,6 +61,48 @@ FRAMING_GAP = 2048
 #: A request may exceed ``chunk`` by ``chunk // TAIL_SLACK`` bytes to end a segment rather than leave
 #: that short a rest of it to a request of its own (another round trip, for little parallelism).
 TAIL_SLACK = 8
+
+#: Requests a whole load job may make when it cuts its ranks' reads smaller than ``read_chunk_size`` for
+#: parallelism: S3 serves at least 5,500 GETs per second per prefix and GCS ~5,000 reads per second per
+#: bucket before they scale up, and every rank of a job reads under one prefix at the same instant.
+JOB_SPLIT_REQUESTS = 5000
+
+#: The smallest request a rank's reads are cut into for parallelism: one connection moves it in ~23 ms
+#: at 90 MB/s, about the first-byte wait it pays, so a shorter request would spend more time waiting than
+#: moving bytes. So a rank that reads less than twice this is not cut at all.
+MIN_SPLIT = 2 * 1024 * 1024
+
+
+def request_size(sizes: Sequence[int], world: int, concurrency: int, chunk: int) -> int:
+    """The size to cut the requests of a rank into, which reads ``sizes[i]`` bytes of its ``i``-th object:
+    ``chunk`` (``read_chunk_size``), or smaller so that its reads spread over its ``concurrency``
+    connections.
+
+    One connection moves ~90 MB/s, so a rank reading 8 MiB of one object in one request waits ~90 ms for
+    bytes that 4 connections move in ~23 ms. An object read in more than one request fetches its index
+    footer with a GET of its own, so one connection per object is left for that. Cutting costs requests,
+    and the ``world`` ranks of a job read under one prefix at once: a rank cuts into at most
+    ``JOB_SPLIT_REQUESTS // world`` pieces, none smaller than :data:`MIN_SPLIT`, and only where its largest
+    object gets at least :data:`MIN_SPLIT` shorter to move (less saves less than a request's first-byte
+    wait). So a few ranks loading small shards use all their connections, while at 1,024 ranks and more
+    the requests are ``chunk`` long as without this rule, and so are those of a rank whose objects fill
+    its connections.
+
+    >>> request_size([8 << 20], world=4, concurrency=8, chunk=16 << 20) >> 20
+    2
+    >>> request_size([16 << 20] * 8, world=4, concurrency=8, chunk=16 << 20) >> 20
+    16
+    >>> request_size([8 << 20], world=4096, concurrency=8, chunk=16 << 20) >> 20
+    16
+    """
+    total = sum(sizes)
+    pieces = min(concurrency - len(sizes), JOB_SPLIT_REQUESTS // max(1, world), total // MIN_SPLIT)
+    if pieces <= 1:
+        return chunk
+    size = -(-total // pieces)
+    if max(sizes) - size < MIN_SPLIT:
+        return chunk
+    return min(chunk, size)
 
 
 def plan_spans(
