@@ -87,7 +87,8 @@ class TransferConfig:
     #: ``FileSystemWriter`` likewise writes ``thread_count`` files per rank.
     #: ``1``: one object per rank.
     max_objects_per_rank: int = 8
-    #: Ranged reads are split into pieces of at most this size, read in parallel.
+    #: Ranged reads are split into pieces of at most this size, read in parallel (shorter, down to 2 MiB,
+    #: where a rank loads too little to keep its connections busy: see ``readplan.request_size``).
     read_chunk_size: int = 16 * MiB
     #: Two wanted ranges (of one item or of neighbouring items) closer than
     #: this may be fetched with one request; the gap is read into scratch

@@ -20,6 +20,9 @@ segments are packed into few requests:
   framing, and the head of the next: what a resharded load leaves between
   its pieces of neighbouring items) may be read through up to a length of
   its own, ``neighbour_gap``, whatever the ratio says.
+* :func:`request_size` -- how long those requests may be: ``read_chunk_size``,
+  or shorter where a rank loads so little that one request per object would
+  leave most of its connections idle.
 
 A segment longer than ``chunk`` is cut into several requests (read in
 parallel), at multiples of its checksum block, so that every request holds
