@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Where the time of a multi-rank dcp_cloud load goes: each rank's phases, on s3rver over a path.
+
+    python benchmarks/bench_timeline.py                              # 4 ranks save 512 MiB, load 4->4, 3 times
+    python benchmarks/bench_timeline.py --multi-size-mb 32 --load-world 3
+
+4 ranks save ``--multi-size-mb`` MiB (bench_peers.py's 4r state dict), then ``--load-world`` ranks load it,
+``--repeats`` times, each load in fresh processes. Every rank records, from the start of its timed span
+(after a barrier, as in bench_peers.py):
+
+* ``metadata``: the reader is built (``.metadata`` fetched on the first rank, HEAD on the others);
+* ``planned``: torch's load planning is done and ``read_data`` starts (the metadata broadcast, the local
+  plans, their gather and scatter);
+* ``first GET``/``last GET``: the first data GET sent, the last one landed;
+* ``read``: ``read_data`` returned; ``done``: ``dcp.load`` returned (after torch's closing collective);
+
+and its process CPU at ``planned`` and ``read``. The report gives, per load, the slowest rank's time to
+each point, the spread of the ranks' last GETs, and s3rver's CPU over the load. The data GETs are timed in
+``S3Store.read_into`` (a wrapper this script installs in the rank processes), so the figures include
+their Python but not the reader's queueing before a worker takes a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+import _peers as P  # noqa: E402
+
+SCRIPT = os.path.abspath(__file__)
+PEERS = os.path.join(os.path.dirname(SCRIPT), "bench_peers.py")
+POINTS = ("metadata", "planned", "first GET", "last GET", "read", "done")
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of one load: the times (s from its start) at which it passed each point."""
+    import threading
+
+    import _ranks
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_cloud.dcp import reader as reader_module
+    from dcp_cloud.store.s3 import store as s3_store
+
+    torch.set_num_threads(1)
+    P.preload(spec)
+    _ranks.init_group()
+    sd = _ranks.sharded_state_dict(spec["size_mb"], spec["tensors"], fill=False)
+    points: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    gets: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    t0 = [0.0]
+
+    def now() -> float:
+        return time.perf_counter() - t0[0]
+
+    read_into = s3_store.S3Store.read_into
+
+    def timed_read_into(self: Any, key: str, start: int, outs: Any) -> None:
+        sent = now()
+        read_into(self, key, start, outs)
+        with lock:
+            gets.append((sent, now()))
+
+    read_data = reader_module.CloudReader.read_data
+
+    def timed_read_data(self: Any, plan: Any, planner: Any) -> Any:
+        points["planned"], cpu["planned"] = now(), time.process_time()
+        out = read_data(self, plan, planner)
+        points["read"], cpu["read"] = now(), time.process_time()
+        return out
+
+    s3_store.S3Store.read_into = timed_read_into  # type: ignore[method-assign]
+    reader_module.CloudReader.read_data = timed_read_data  # type: ignore[method-assign]
+    dist.barrier()
+    cpu0 = time.process_time()
+    t0[0] = time.perf_counter()
+    reader = P.make_reader(spec)
+    points["metadata"] = now()
+    dcp.load(sd, storage_reader=reader)
+    points["done"] = now()
+    dist.barrier()
+    ok = _ranks.check_sharded(sd)
+    dist.destroy_process_group()
+    points["first GET"] = min(s for s, _ in gets) if gets else float("nan")
+    points["last GET"] = max(e for _, e in gets) if gets else float("nan")
+    return {
+        "points": points,
+        "cpu_planned": cpu["planned"] - cpu0,
+        "cpu_read": cpu["read"] - cpu["planned"],
+        "gets": len(gets),
+        "verified": ok,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--multi-size-mb", type=float, default=512.0)
+    p.add_argument("--tensors", type=int, default=32)
+    p.add_argument("--load-world", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--path", default="shaped", choices=("loopback", "shaped", "https"))
+    p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--bandwidth-mbs", type=float, default=90.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        C.child_main(argv[1], {"load": child})
+        return 0
+    args = parse_args(argv)
+    import _paths
+    import _ranks
+    import _s3rver
+
+    from dcp_cloud import TransferConfig
+
+    d = TransferConfig()
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(_s3rver.S3rver(None))
+        _s3rver.client(server).create_bucket(Bucket=C.BUCKET)
+        path = stack.enter_context(
+            _paths.open_path(args.path, server.endpoint_url, latency=args.latency_ms / 1000,
+                             bandwidth=args.bandwidth_mbs * 1e6)
+        )  # fmt: skip
+        env = path.client_env(server.env(C.child_env()))
+        spec = {"contender": "dcp_cloud", "uri": f"s3://{C.BUCKET}/timeline", "path": "", "seed": 0,
+                "size_mb": args.multi_size_mb, "tensors": args.tensors, "verify": True, "target": None,
+                "profile": None, "transfer": {}, "part_size": d.part_size, "concurrency": d.concurrency,
+                "read_chunk_size": d.read_chunk_size}  # fmt: skip
+        saved = _ranks.run_ranks(PEERS, {**spec, "kind": "save", "world": 4}, 4, env=env, timeout=args.timeout)
+        if any("error" in r for r in saved):
+            print(f"save failed: {saved}", file=sys.stderr)
+            return 1
+        info = C.environment()
+        print(f"### Load 4 -> {args.load_world}, {args.multi_size_mb:g} MiB in {args.tensors} tensors, {path.describe}")
+        print(f"\n{info['time']}, {info['cpus']} CPUs, load average at start {info.get('loadavg_start')}; "
+              "times in ms from each rank's start, the slowest rank's\n")  # fmt: skip
+        head = " | ".join(f"{p} ms" for p in POINTS)
+        print(f"| load | {head} | last GETs of the ranks ms | GETs per rank | CPU ms to plan / to read, per rank "
+              "| s3rver CPU s |")  # fmt: skip
+        print("|" + "---|" * (len(POINTS) + 5))
+        for rep in range(args.repeats):
+            cpu0 = server.cpu_s()
+            ranks = _ranks.run_ranks(
+                SCRIPT, {**spec, "kind": "load", "world": args.load_world}, args.load_world, env=env,
+                timeout=args.timeout,
+            )  # fmt: skip
+            served = server.cpu_s() - cpu0
+            if any("error" in r or not r.get("verified") for r in ranks):
+                print(f"load {rep} failed: {ranks}", file=sys.stderr)
+                return 1
+            slowest = [max(r["points"][p] for r in ranks) * 1000 for p in POINTS]
+            lasts = sorted(r["points"]["last GET"] * 1000 for r in ranks)
+            cells = " | ".join(f"{v:.0f}" for v in slowest)
+            plan_cpu = statistics.median(r["cpu_planned"] for r in ranks) * 1000
+            read_cpu = statistics.median(r["cpu_read"] for r in ranks) * 1000
+            print(f"| {rep} | {cells} | {lasts[0]:.0f}-{lasts[-1]:.0f} | {max(r['gets'] for r in ranks)} "
+                  f"| {plan_cpu:.0f} / {read_cpu:.0f} | {served:.2f} |", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
