@@ -11,7 +11,8 @@
 * ``metadata``: the reader is built (``.metadata`` fetched on the first rank, HEAD on the others);
 * ``planned``: torch's load planning is done and ``read_data`` starts (the metadata broadcast, the local
   plans, their gather and scatter);
-* ``first GET``/``last GET``: the first data GET sent, the last one landed;
+* ``first GET``/``last GET``: the first ranged GET sent (data, or an index footer sent ahead of the data),
+  the last one landed;
 * ``read``: ``read_data`` returned; ``done``: ``dcp.load`` returned (after torch's closing collective);
 
 and its process CPU at ``planned`` and ``read``. The report gives, per load, the slowest rank's time to
