@@ -87,9 +87,9 @@ def request_size(sizes: Sequence[int], world: int, concurrency: int, chunk: int)
     and the ``world`` ranks of a job read under one prefix at once: a rank cuts into at most
     ``JOB_SPLIT_REQUESTS // world`` pieces, none smaller than :data:`MIN_SPLIT`, and only where its largest
     object gets at least :data:`MIN_SPLIT` shorter to move (less saves less than a request's first-byte
-    wait). So a few ranks loading small shards use all their connections, while at 1,024 ranks and more
-    the requests are ``chunk`` long as without this rule, and so are those of a rank whose objects fill
-    its connections.
+    wait). So a few ranks loading small shards use all their connections, a rank of 1,024 cuts into at
+    most 4 pieces, and above 2,500 ranks the requests are ``chunk`` long as without this rule, as are
+    those of a rank whose objects fill its connections.
 
     >>> request_size([8 << 20], world=4, concurrency=8, chunk=16 << 20) >> 20
     2
