@@ -1,9 +1,19 @@
-"""One coalesced ReadItem of a load: the segments it needs, and once prepared, where its bytes land.
+"""One stored chunk that a load reads coalesced: the pieces of it the rank wants, and once prepared, where its
+bytes land.
 
-:class:`~dcp_cloud.dcp.loadrun.LoadRun` plans an item (its byte runs in the
-stored chunk, grouped into segments), prepares it (destination tensor or a
-temporary, scratch for block edges), and scatters request bodies into it
-through :meth:`LoadItem.views`.
+:class:`~dcp_cloud.dcp.loadrun.LoadRun` plans an item (the byte runs of every
+wanted piece in the stored chunk, grouped into segments), prepares it
+(destination tensors or temporaries, scratch for block edges), and scatters
+request bodies into it through :meth:`LoadItem.views`.
+
+A rank usually wants one piece of a stored chunk (one :class:`ReadItem`). It
+wants several where it holds several shards of one tensor that overlap one
+saved chunk (a legacy ShardedTensor with repeated placements, an uneven
+EnumerableShardingSpec): then the pieces' runs may interleave, and once widened
+to whole checksum blocks they may overlap. The item reads the union of the runs
+once, in object order; bytes that more than one piece wants land in the first
+piece's memory and are copied to the others (:attr:`LoadItem.copies`) when the
+item is complete.
 """
 
 from __future__ import annotations
@@ -17,49 +27,72 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from .layout import ItemExtras
 
-__all__ = ["LoadItem"]
+__all__ = ["LoadItem", "Piece"]
 
 
-class LoadItem:
-    """One ReadItem of a tensor with raw offsets: its segments, and once prepared, where its bytes go."""
+class Piece:
+    """One wanted region (a ReadItem) of a stored chunk, and once prepared, its destination."""
 
-    __slots__ = (
-        "base", "dest", "direct", "dtype", "end", "extras", "fills", "key", "lease", "lengths", "limit", "req",
-        "run_nbytes", "shape", "sink", "spans", "src", "starts", "target", "verify", "wanted", "what",
-    )  # fmt: skip
+    __slots__ = ("dest", "direct", "lengths", "req", "run_nbytes", "sink", "src", "target", "wanted")
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
     #: Shape of the requested box.
     lengths: tuple[int, ...]
     #: Start of each byte run of the box in the checked bytes (None: the whole chunk, one run).
     src: npt.NDArray[np.int64] | None
     run_nbytes: int
-    #: ``plan_spans`` segments, offsets into the checked bytes.
-    spans: list[tuple[int, int, int, int]]
     #: Bytes of the box.
     wanted: int
+
+    def __init__(self, req: ReadItem, sink: torch.Tensor | None) -> None:
+        self.req = req
+        #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
+        #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
+        self.sink = sink
+        self.target: torch.Tensor | None = None
+        self.dest: torch.Tensor | None = None
+        self.direct = False
+
+
+class LoadItem:
+    """The pieces of one stored tensor chunk a load reads: their segments, and once prepared, where bytes go."""
+
+    __slots__ = (
+        "base", "copies", "covered", "dtype", "end", "extras", "fills", "key", "lease", "limit", "pieces",
+        "prepared", "runs", "shape", "spans", "starts", "verify", "what",
+    )  # fmt: skip
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: The wanted pieces, in the order the plan lists them.
+    pieces: list[Piece]
+    #: Several pieces: every run of every piece sorted by start, as ``(starts, ends, piece, index)`` arrays
+    #: (run ``index`` of piece ``piece`` lands at byte ``index * run_nbytes`` of its destination).
+    #: None for one piece, whose own ``src`` is already sorted.
+    runs: tuple[npt.NDArray[np.int64], ...] | None
+    #: ``plan_spans`` segments, offsets into the checked bytes.
+    spans: list[tuple[int, int, int, int]]
+    #: Bytes of the union of the pieces' runs (the sum of their bytes when they do not overlap).
+    covered: int
     #: Object offset where the item's last segment ends.
     end: int
     #: Object offset where the item's raw tensor bytes end (``base`` + the whole chunk's bytes).
     limit: int
 
-    def __init__(self, req: ReadItem, what: str, key: str, base: int, extras: ItemExtras, verify: bool) -> None:
-        self.req = req
+    def __init__(self, what: str, key: str, base: int, extras: ItemExtras, verify: bool) -> None:
         self.what = what
         self.key = key
         #: Object offset of the item's raw tensor bytes (the checked region, and the block grid's origin).
         self.base = base
         self.extras = extras
         self.verify = verify
-        #: Where the whole chunk's raw bytes go instead of the planner's destination (a contiguous CPU
-        #: tensor of its bytes; nothing is committed): a shared read's owner (see :mod:`.sharedreads`).
-        self.sink: torch.Tensor | None = None
-        self.target: torch.Tensor | None = None
-        self.dest: torch.Tensor | None = None
-        self.direct = False
+        self.pieces = []
+        self.runs = None
+        self.prepared = False
         self.fills: list[memoryview] = []
         self.starts: list[int] = []
+        #: ``(object start, object end, destination)``: bytes that one piece shares with an earlier one,
+        #: copied from the earlier one's memory once the item is complete.
+        self.copies: list[tuple[int, int, memoryview]] = []
         self.lease = 0
 
     def views(self, start: int, end: int) -> list[memoryview]:
@@ -76,3 +109,37 @@ class LoadItem:
             pos = s + hi
             i += 1
         return out
+
+    def copy_shared(self) -> None:
+        """Copy the bytes several pieces want from where they landed to the pieces that did not get them."""
+        for start, end, dest in self.copies:
+            pos = 0
+            for view in self.views(start, end):
+                dest[pos : pos + len(view)] = view
+                pos += len(view)
+        self.copies = []
+
+
+def merge_runs(pieces: list[Piece]) -> tuple[npt.NDArray[np.int64], ...]:
+    """Every run of ``pieces`` sorted by start: ``(starts, ends, piece, index)`` (stable: a run that starts
+    where a run of an earlier piece does comes after it)."""
+    starts, lens, owner, index = [], [], [], []
+    for p, piece in enumerate(pieces):
+        src = piece.src if piece.src is not None else np.zeros(1 if piece.wanted else 0, dtype=np.int64)
+        starts.append(src)
+        lens.append(np.full(len(src), piece.run_nbytes, dtype=np.int64))
+        owner.append(np.full(len(src), p, dtype=np.int64))
+        index.append(np.arange(len(src), dtype=np.int64))
+    s = np.concatenate(starts)
+    order = np.argsort(s, kind="stable")
+    s = s[order]
+    return s, s + np.concatenate(lens)[order], np.concatenate(owner)[order], np.concatenate(index)[order]
+
+
+def union_bytes(starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> int:
+    """Bytes of the union of the runs ``[starts[i], ends[i])`` (``starts`` sorted)."""
+    if len(starts) == 0:
+        return 0
+    reach = np.maximum.accumulate(ends)
+    floor = np.concatenate(([starts[0]], np.maximum(starts[1:], reach[:-1])))
+    return int(np.maximum(ends - floor, 0).sum())

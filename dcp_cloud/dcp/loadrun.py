@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from .chunks import ChunkIndex
 from .commit import commit, commit_whole
 from .footer import Rider
 from .layout import ItemExtras
-from .loaditem import LoadItem
+from .loaditem import LoadItem, Piece, merge_runs, union_bytes
 from .prediction import Guess
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
 from .tensorbytes import tensor_bytes
@@ -214,89 +215,126 @@ class LoadRun:
 
     # -- coalesced items --------------------------------------------------
     def plan_item(
-        self, req: ReadItem, key: str, info: Any, extras: ItemExtras, what: str, sink: torch.Tensor | None = None
+        self,
+        key: str,
+        info: Any,
+        extras: ItemExtras,
+        what: str,
+        wanted: Sequence[tuple[ReadItem, torch.Tensor | None]],
     ) -> LoadItem:
-        """The segments an item needs (no destination yet); with a ``sink``, the whole stored chunk's."""
-        found = self.chunks.lookup(req.storage_index)
+        """The segments that the pieces ``wanted`` (``(req, sink)``, all of the stored chunk ``info``) need, no
+        destination yet; a piece with a ``sink`` takes the whole stored chunk."""
+        first = wanted[0][0]
+        found = self.chunks.lookup(first.storage_index)
         if found is None:
             raise CorruptCheckpointError(
-                f"{self.checkpoint_id}: no chunk of {req.storage_index.fqn!r} at {req.storage_index.offset}"
+                f"{self.checkpoint_id}: no chunk of {first.storage_index.fqn!r} at {first.storage_index.offset}"
             )
         shape, dtype = found
         assert extras.raw_offset is not None
         verify = self.transfer.verify_checksums and extras.block_size > 0
-        item = LoadItem(req, what, key, info.offset + extras.raw_offset, extras, verify)
+        item = LoadItem(what, key, info.offset + extras.raw_offset, extras, verify)
         item.shape, item.dtype = shape, dtype
-        item.sink = sink
-        item.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
         elem = torch._utils._element_size(dtype)
         nbytes = elem
         for n in shape:
             nbytes *= n
         item.limit = item.base + nbytes
-        if item.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
-            if verify and nbytes > extras.checked_length:
-                raise CorruptCheckpointError(
-                    f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
-                    "the checkpoint's metadata is corrupted"
-                )
-            item.src, item.run_nbytes = None, nbytes
-            item.spans = [(0, nbytes, 0, 1)] if nbytes else []
-            item.wanted = nbytes
+        for req, sink in wanted:
+            piece = Piece(req, sink)
+            piece.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
+            if piece.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
+                if verify and nbytes > extras.checked_length:
+                    raise CorruptCheckpointError(
+                        f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
+                        "the checkpoint's metadata is corrupted"
+                    )
+                piece.src, piece.run_nbytes, piece.wanted = None, nbytes, nbytes
+            else:
+                src, run_nbytes = box_byte_run_array(shape, elem, req.storage_offsets, req.lengths)
+                piece.src, piece.run_nbytes, piece.wanted = src, run_nbytes, len(src) * run_nbytes
+            item.pieces.append(piece)
+        block = extras.block_size if verify else 0
+        gap = self.transfer.coalesce_gap
+        if len(item.pieces) == 1:
+            piece = item.pieces[0]
+            item.covered = piece.wanted
+            if piece.src is None:
+                item.spans = [(0, nbytes, 0, 1)] if nbytes else []
+            else:
+                item.spans = plan_spans(piece.src, piece.run_nbytes, extras.checked_length, block, gap)
         else:
-            src, run_nbytes = box_byte_run_array(shape, elem, req.storage_offsets, req.lengths)
-            block = extras.block_size if verify else 0
-            item.src, item.run_nbytes = src, run_nbytes
-            item.spans = plan_spans(src, run_nbytes, extras.checked_length, block, self.transfer.coalesce_gap)
-            item.wanted = len(src) * run_nbytes
+            item.runs = starts, ends, _, _ = merge_runs(item.pieces)
+            item.covered = union_bytes(starts, ends)
+            item.spans = plan_spans(starts, 0, extras.checked_length, block, gap, ends=ends)
         item.end = item.base + item.spans[-1][1] if item.spans else item.base
         return item
 
     def _prepare(self, item: LoadItem) -> None:
-        """Resolve the destination and lay out where every segment byte goes.
+        """Resolve the destinations and lay out where every segment byte goes.
 
         No torch op runs here for a direct destination (see :mod:`.tensorbytes`):
         the transfer threads are busy while later items are prepared.
         """
-        if item.sink is not None:
-            target, direct = item.sink, True
-        else:
-            target = self.planner.resolve_tensor(item.req)
-            direct = (
-                target.device.type == "cpu"
-                and target.dtype == item.dtype
-                and target.is_contiguous()
-                and tuple(target.shape) == item.lengths
-            )
-        if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
-            target = target.detach()
+        item.prepared = True
+        temporaries = 0
+        for piece in item.pieces:
+            if piece.sink is not None:
+                target, direct = piece.sink, True
+            else:
+                target = self.planner.resolve_tensor(piece.req)
+                direct = (
+                    target.device.type == "cpu"
+                    and target.dtype == item.dtype
+                    and target.is_contiguous()
+                    and tuple(target.shape) == piece.lengths
+                )
+            if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
+                target = target.detach()
+            piece.target, piece.direct = target, direct
+            temporaries += 0 if direct else piece.wanted
         spans = item.spans
-        scratch_bytes = sum(end - start for start, end, _, _ in spans) - item.wanted
-        item.lease = self.lease(scratch_bytes + (0 if direct else item.wanted))
-        dest = target if direct else torch.empty(item.lengths, dtype=item.dtype)
-        item.target, item.dest, item.direct = target, dest, direct
-        dest_bytes = tensor_bytes(dest)
+        scratch_bytes = sum(end - start for start, end, _, _ in spans) - item.covered
+        item.lease = self.lease(scratch_bytes + temporaries)
+        for piece in item.pieces:
+            assert piece.target is not None
+            piece.dest = piece.target if piece.direct else torch.empty(piece.lengths, dtype=item.dtype)
         base = item.base
-        if item.src is None:
-            item.fills, item.starts = [dest_bytes], [base]
-            return
+        if item.runs is None:
+            piece = item.pieces[0]
+            assert piece.dest is not None
+            dest_bytes = tensor_bytes(piece.dest)
+            if piece.src is None:
+                item.fills, item.starts = [dest_bytes], [base]
+                return
+            run = piece.run_nbytes
+            runs = [(start, start + run, dest_bytes, i * run) for i, start in enumerate(piece.src.tolist())]
+        else:
+            all_bytes = [tensor_bytes(p.dest) if p.dest is not None else memoryview(b"") for p in item.pieces]
+            sizes = [p.run_nbytes for p in item.pieces]
+            starts, ends, owner, index = (a.tolist() for a in item.runs)
+            runs = [(s, e, all_bytes[p], i * sizes[p]) for s, e, p, i in zip(starts, ends, owner, index, strict=True)]
         scratch = memoryview(bytearray(scratch_bytes))
         used = 0
-        run = item.run_nbytes
-        starts = item.src.tolist()
         fills: list[memoryview] = []
         fill_starts: list[int] = []
         for span_start, span_end, first, end in spans:
             cursor = span_start
             for i in range(first, end):
-                run_start = starts[i]
+                run_start, run_end, dest_bytes, at = runs[i]
                 if run_start > cursor:
                     fill_starts.append(base + cursor)
                     fills.append(scratch[used : used + run_start - cursor])
                     used += run_start - cursor
-                fill_starts.append(base + run_start)
-                fills.append(dest_bytes[i * run : (i + 1) * run])
-                cursor = run_start + run
+                elif run_start < cursor:  # bytes an earlier run lands too: copied from there at the end
+                    shared = min(run_end, cursor)
+                    item.copies.append((base + run_start, base + shared, dest_bytes[at : at + shared - run_start]))
+                    at += shared - run_start
+                    run_start = shared
+                if run_end > run_start:
+                    fill_starts.append(base + run_start)
+                    fills.append(dest_bytes[at : at + run_end - run_start])
+                    cursor = run_end
             if cursor < span_end:
                 fill_starts.append(base + cursor)
                 fills.append(scratch[used : used + span_end - cursor])
@@ -304,11 +342,13 @@ class LoadRun:
         item.fills, item.starts = fills, fill_starts
 
     def _finish_item(self, item: LoadItem) -> None:
-        assert item.target is not None
-        if item.sink is None:
-            commit(self.planner, item.req, item.target, None if item.direct else item.dest, item.what)
+        item.copy_shared()
+        for piece in item.pieces:
+            assert piece.target is not None
+            if piece.sink is None:
+                commit(self.planner, piece.req, piece.target, None if piece.direct else piece.dest, item.what)
+            piece.target = piece.dest = None
         self._give(item.lease)
-        item.target = item.dest = None
         item.fills = []
 
     def read_object(
@@ -318,20 +358,25 @@ class LoadRun:
         entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
         rider: Rider | None = None,
     ) -> None:
-        """Read the items of object ``key`` (``(req, info, extras, what, sink)``, sorted by offset) with
-        coalesced requests; the first requests go out while later items are still being planned. An item
-        with a ``sink`` lands its whole stored chunk there and is not committed.
+        """Read the items of object ``key`` (``(req, info, extras, what, sink)``, in any order) with coalesced
+        requests; the first requests go out while later items are still being planned. An item with a
+        ``sink`` lands its whole stored chunk there and is not committed. Several items of one stored chunk
+        (one rank's shards of one tensor that overlap one saved chunk) are planned as one: their bytes are
+        read once, whatever the order of the items and however their byte runs interleave or overlap.
 
         ``rider``: the object's footer, not yet sent. Where the items go in one request that may read on
         to the footer (:meth:`_may_carry`), the footer is that request's tail; otherwise its own GET is
         queued before the object's first data request."""
         owners: list[LoadItem] = []
         block_of = self.transfer.verify_checksums
+        ordered = sorted(entries, key=lambda e: int(e[1].offset))  # stable: a no-op pass for sorted entries
 
         def segments() -> Iterator[Segment]:
-            for req, info, extras, what, sink in entries:
-                item = self.plan_item(req, key, info, extras, what, sink)
-                if not item.spans:  # nothing to read (an empty box)
+            for _, group in groupby(ordered, key=lambda e: int(e[1].offset)):
+                same = list(group)
+                _, info, extras, what, _ = same[0]
+                item = self.plan_item(key, info, extras, what, [(e[0], e[4]) for e in same])
+                if not item.spans:  # nothing to read (empty boxes)
                     self._prepare(item)
                     self._finish_item(item)
                     continue
@@ -360,7 +405,7 @@ class LoadRun:
             self._b_key, self._b_url = key, url
             for index, start, end in request.parts:
                 item = owners[index]
-                if item.target is None:
+                if not item.prepared:
                     self._prepare(item)
                 self._add(item, start, end)
             self._send(carry=True)

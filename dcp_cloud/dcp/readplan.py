@@ -109,26 +109,36 @@ def request_size(sizes: Sequence[int], world: int, concurrency: int, chunk: int)
 
 
 def plan_spans(
-    src: npt.NDArray[np.int64], run_nbytes: int, limit: int, block: int, gap: int
+    src: npt.NDArray[np.int64],
+    run_nbytes: int,
+    limit: int,
+    block: int,
+    gap: int,
+    ends: npt.NDArray[np.int64] | None = None,
 ) -> list[tuple[int, int, int, int]]:
     """Group the runs of one item into segments: ``(start, end, first_run, end_run)``.
 
-    Runs start at ``src`` (strictly increasing, offsets into the item's
-    checked bytes) and have ``run_nbytes`` bytes. With ``block`` > 0 every
-    segment is widened to whole blocks (clipped at ``limit``) so it can be
-    verified; segments closer than ``gap`` merge.
+    Runs start at ``src`` (offsets into the item's checked bytes, sorted) and
+    have ``run_nbytes`` bytes each, or end at ``ends`` where given. Runs may
+    overlap, repeat or touch: several pieces of one stored chunk that one rank
+    wants (two shards of one tensor on one rank) give such runs once merged.
+    With ``block`` > 0 every segment is widened to whole blocks (clipped at
+    ``limit``) so it can be verified; segments closer than ``gap`` merge. The
+    segments are sorted and disjoint, and runs ``first_run .. end_run - 1`` lie
+    in segment ``[start, end)``.
     """
     if len(src) == 0:
         return []
     starts = src.copy()
-    ends = src + run_nbytes
+    ends = src + run_nbytes if ends is None else ends.copy()
     if block:
         starts = (starts // block) * block
         ends = np.minimum(-(-ends // block) * block, limit)
-    breaks = np.nonzero(starts[1:] > ends[:-1] + gap)[0] + 1
+    reach = np.maximum.accumulate(ends)  # the furthest end of the runs so far (runs may overlap)
+    breaks = np.nonzero(starts[1:] > reach[:-1] + gap)[0] + 1
     firsts = np.concatenate(([0], breaks))
     lasts = np.concatenate((breaks, [len(src)]))
-    return [(int(starts[f]), int(ends[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts, strict=False)]
+    return [(int(starts[f]), int(reach[e - 1]), int(f), int(e)) for f, e in zip(firsts, lasts, strict=False)]
 
 
 @dataclass(frozen=True, slots=True)
