@@ -85,6 +85,7 @@ def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dic
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    import dcp_cloud
     from dcp_cloud import CheckpointExistsError
 
     model, optim = _sharded(world_size, seed=0)
@@ -103,8 +104,8 @@ def _save_then_load_on_4(rank: int, world_size: int, name: str, uri: str) -> dic
     reference.update(extra=_extra(), meta=dict(META))
     assert writer.stats.bytes_written > 0
     loaded = _load_sharded(world_size, name, uri)
-    try:
-        _make("w", name, uri)
+    try:  # in a group the constructor raises nothing: the save's first step raises it on every rank
+        dcp_cloud.save({"w": torch.zeros(1)}, storage_writer=_make("w", name, uri))
         exists = "no error"
     except CheckpointExistsError as exc:
         exists = type(exc).__name__
@@ -150,6 +151,7 @@ def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missi
     """Load on 2 ranks, then check that typed errors reach ``except`` on every rank."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     import dcp_cloud
     from dcp_cloud import CheckpointExistsError, CheckpointNotFoundError
@@ -168,16 +170,24 @@ def _load_and_errors_on_2(rank: int, world_size: int, name: str, uri: str, missi
         except BaseException as exc:  # noqa: BLE001 - report what arrived instead
             caught[label] = f"wrong: {type(exc).__name__}: {exc}"
 
-    # Loading a checkpoint that does not exist: from the constructor, and from reset().
-    expect("missing-ctor", CheckpointNotFoundError, lambda: dcp.load(state, storage_reader=_make("r", name, missing)))
+    # Loading a checkpoint that does not exist: found by the constructor, and by reset(); in a group both
+    # are raised by the load's first step on every rank (plain dcp: wrapped; dcp_cloud.load: typed).
+    expect(
+        "missing-ctor", CheckpointNotFoundError, lambda: dcp_cloud.load(state, storage_reader=_make("r", name, missing))
+    )
+    expect("missing-plain", CheckpointException, lambda: dcp.load(state, storage_reader=_make("r", name, missing)))
     reader = _make("r", name, uri)
     expect(
-        "missing-reset", CheckpointNotFoundError, lambda: dcp.load(state, checkpoint_id=missing, storage_reader=reader)
+        "missing-reset",
+        CheckpointNotFoundError,
+        lambda: dcp_cloud.load(state, checkpoint_id=missing, storage_reader=reader),
     )
-    # Saving over an existing checkpoint: from the constructor, and from reset().
-    expect("exists-ctor", CheckpointExistsError, lambda: _make("w", name, uri))
+    # Saving over an existing checkpoint: found by the constructor, and by reset().
+    expect("exists-ctor", CheckpointExistsError, lambda: dcp_cloud.save(state, storage_writer=_make("w", name, uri)))
     writer = _make("w", name, late)
-    expect("exists-reset", CheckpointExistsError, lambda: dcp.save(state, checkpoint_id=uri, storage_writer=writer))
+    expect(
+        "exists-reset", CheckpointExistsError, lambda: dcp_cloud.save(state, checkpoint_id=uri, storage_writer=writer)
+    )
     # ... and when it was committed by someone else after this save's writers were made:
     # then the commit itself fails (inside torch's collective) and dcp_cloud.save unwraps it.
     writer = _make("w", name, late)
@@ -246,6 +256,7 @@ def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
     )
     expected = {
         "missing-ctor": "CheckpointNotFoundError",
+        "missing-plain": "CheckpointException",
         "missing-reset": "CheckpointNotFoundError",
         "exists-ctor": "CheckpointExistsError",
         "exists-reset": "CheckpointExistsError",

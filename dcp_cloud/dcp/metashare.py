@@ -25,6 +25,13 @@ import torch.distributed as dist
 from ..errors import StoreError
 
 
+def in_process_group() -> bool:
+    """Whether this process is a rank of a torch.distributed group (so ``dcp.save``/``dcp.load`` may run
+    collectives): an error of a writer's or reader's constructor is then kept for the first step of the save
+    or load, where torch gathers it to every rank, instead of being raised before the others enter it."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def sharing_group(process_group: Any, enabled: bool) -> Any | None:
     """The group to share metadata over, or None to read it in this process alone."""
     if not enabled or not dist.is_available() or not dist.is_initialized():

@@ -56,7 +56,7 @@ from .compression import check_descriptors
 from .footer import Rider, fetch_all, fetch_async, fetch_each
 from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
 from .loadrun import LoadRun
-from .metashare import broadcast_bytes, sharing_group
+from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess
 from .readplan import request_size
 from .sharedreads import Exchange
@@ -98,27 +98,40 @@ class CloudReader(CloudBase, StorageReader):
 
     # -- metadata ---------------------------------------------------------
     def _open(self) -> None:
-        """Raise the typed "not there" errors now: with the metadata itself when reading alone or on the rank
-        that fetches it for a process group (it sends these bytes, with no second round trip, when the load
-        starts), with a HEAD on the group's other ranks."""
+        """Fetch ``.metadata`` now, where one process reads it (or, in a group that shares it, on the group's
+        rank 0, which sends these bytes when the load starts, with no second round trip).
+
+        Alone (no process group), a failure is raised here: the typed "not there" errors reach the caller
+        at once. In a process group it is kept and raised by the load's first step, where torch gathers
+        every rank's exception and raises them on every rank: a rank that raised here, before ``dcp.load``
+        starts, would leave the others waiting inside torch's collectives for the group's timeout. The
+        group's other ranks send nothing here: the metadata, or the error fetching it, reaches them by
+        broadcast when the load starts.
+        """
         self._metadata = None
         self._metadata_error = None
         self._metadata_body = None
         self._warm()
         group = sharing_group(self.process_group, self.share_metadata)
-        if group is None:
-            self._metadata = load_metadata(self._get_metadata(), self.store.url(self._metadata_key()))
-            return
-        if dist.get_rank(group) == 0:
-            self._metadata_body = self._get_metadata()
+        if group is not None and dist.get_rank(group) != 0:
             return
         try:
-            self._retrying().head(self._metadata_key())
-        except ObjectNotFoundError as exc:
-            self._not_found(exc)
+            body = self._get_metadata()
+            if group is None:
+                self._metadata = load_metadata(body, self.store.url(self._metadata_key()))
+            else:
+                self._metadata_body = body
+        except Exception as exc:
+            if not in_process_group():
+                raise
+            log.debug("keeping the error fetching %s for the load's first step: %r", self.checkpoint_id, exc)
+            self._metadata_error = exc
 
     def _fetched_metadata(self) -> bytes:
-        """The body the constructor fetched (once), else a new GET."""
+        """The body the constructor fetched (once), else a new GET; the constructor's error, if it got one."""
+        if self._metadata_error is not None:
+            error, self._metadata_error = self._metadata_error, None
+            raise error
         body, self._metadata_body = self._metadata_body, None
         return body if body is not None else self._get_metadata()
 
@@ -160,7 +173,7 @@ class CloudReader(CloudBase, StorageReader):
             group = sharing_group(self.process_group, self.share_metadata)
             url = self.store.url(self._metadata_key())
             try:
-                body = broadcast_bytes(group, self._fetched_metadata) if group is not None else self._get_metadata()
+                body = broadcast_bytes(group, self._fetched_metadata) if group is not None else self._fetched_metadata()
                 self._metadata = load_metadata(body, url)
             except Exception as exc:  # noqa: BLE001 - raised by set_up_storage_reader on every rank
                 # Torch turns an exception raised here into an untyped AssertionError; an empty

@@ -1,13 +1,20 @@
 """Get our typed errors out of torch's CheckpointException.
 
-Torch runs ``write_data``/``read_data``/``finish`` under its collective
-wrappers, which turn whatever a rank raises into ``CheckpointException`` (a
-``BaseException``) carrying every rank's failure. Errors we can detect before
-the collectives (missing checkpoint, existing checkpoint, missing bucket, bad
-credentials) are raised from the constructors and ``reset()`` and reach the
-caller as themselves. For the rest (a checksum mismatch found while reading,
-a store failing mid-save), :func:`typed_errors` re-raises the first
-dcp_cloud error found in the CheckpointException, with the original chained.
+Torch runs every step of ``dcp.save``/``dcp.load`` that can fail
+(``set_up_storage_writer``/``read_metadata`` and planning, ``write_data`` /
+``read_data``, ``finish``) under its collective wrappers, which turn whatever a
+rank raises into ``CheckpointException`` (a ``BaseException``) carrying every
+rank's failure, raised on every rank. So that one rank's failure ends every
+rank at once, dcp_cloud raises nothing of its own before those steps in a
+process group: what a writer's or reader's constructor finds (a missing
+checkpoint, an existing one, a missing bucket, bad credentials, a dead
+endpoint) is raised by the first step. Alone (no process group), the
+constructors raise them as themselves.
+
+:func:`typed_errors` (and :func:`save` / :func:`load`) re-raise a dcp_cloud
+error found in the CheckpointException: on a rank that failed with one, its
+own error; on the other ranks, the lowest failing rank's error, as the same
+type, with a message that names that rank. The CheckpointException is chained.
 """
 
 from __future__ import annotations
@@ -16,25 +23,62 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import DcpCloudError
 
 
+def _failure(exc: CheckpointException, rank: int) -> BaseException | None:
+    failure = exc.failures.get(rank)
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
 def first_typed_error(exc: CheckpointException) -> DcpCloudError | None:
     """The lowest-rank dcp_cloud error inside ``exc``, if any."""
+    found = _first_typed(exc)
+    return None if found is None else found[1]
+
+
+def _first_typed(exc: CheckpointException) -> tuple[int, DcpCloudError] | None:
     for rank in sorted(exc.failures):
-        failure = exc.failures[rank]
-        error = failure[0] if isinstance(failure, tuple) else failure
+        error = _failure(exc, rank)
         if isinstance(error, DcpCloudError):
-            return error
+            return rank, error
     return None
 
 
+def _this_rank(group: Any = None) -> int | None:
+    """This process's rank in ``group`` (torch keys a CheckpointException's failures so), None alone."""
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank(group))
+    return None
+
+
+def rank_error(exc: CheckpointException, rank: int | None) -> DcpCloudError | None:
+    """The dcp_cloud error to raise on ``rank`` (its rank in the group; None: not in a group) for ``exc``: its own,
+    if it failed with one; else the lowest failing rank's, as the same type, its message naming that rank."""
+    own = _failure(exc, rank) if rank is not None else None
+    if isinstance(own, DcpCloudError):
+        return own
+    found = _first_typed(exc)
+    if found is None:
+        return None
+    failed, error = found
+    if rank is None:
+        return error
+    try:
+        return type(error)(f"rank {failed} failed: {error}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments: raise it as it came
+        return error
+
+
 @contextmanager
-def typed_errors() -> Iterator[None]:
-    """Re-raise a dcp_cloud error wrapped in torch's CheckpointException as itself.
+def typed_errors(process_group: Any = None) -> Iterator[None]:
+    """Re-raise a dcp_cloud error wrapped in torch's CheckpointException as itself (on the rank that failed
+    with it; the other ranks raise the same type, naming that rank). ``process_group``: the group the save or
+    load runs in, when not the default one.
 
     >>> with typed_errors():  # doctest: +SKIP
     ...     dcp.load(state_dict, storage_reader=S3Reader(uri))
@@ -42,7 +86,7 @@ def typed_errors() -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        typed = first_typed_error(exc)
+        typed = rank_error(exc, _this_rank(process_group))
         if typed is None:
             raise
         raise typed from exc
@@ -50,7 +94,7 @@ def typed_errors() -> Iterator[None]:
 
 def save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
     """``torch.distributed.checkpoint.save`` that raises dcp_cloud errors as themselves."""
-    with typed_errors():
+    with typed_errors(kwargs.get("process_group")):
         return dcp.save(state_dict, **kwargs)
 
 
@@ -64,5 +108,5 @@ def load(state_dict: dict[str, Any], **kwargs: Any) -> None:
 
     if kwargs.get("planner") is None:
         kwargs["planner"] = ScaleLoadPlanner()
-    with typed_errors():
+    with typed_errors(kwargs.get("process_group")):
         dcp.load(state_dict, **kwargs)

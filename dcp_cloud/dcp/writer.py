@@ -53,6 +53,7 @@ from .layout import (
     shard_name,
     storage_info,
 )
+from .metashare import in_process_group
 from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
@@ -169,16 +170,35 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     # -- per-checkpoint start ----------------------------------------------
     def _begin(self) -> None:
-        """Check the target before any collective step, so typed errors reach the caller."""
+        """Check the target before any collective step, so typed errors reach the caller.
+
+        Alone, a failure is raised here. In a process group it is kept and raised by
+        :meth:`set_up_storage_writer`, the save's first step, where torch gathers every rank's exception
+        and raises them on every rank (a rank that raised here would leave the others inside torch's
+        collectives until the group's timeout)."""
         self.save_id = str(uuid.uuid4())
         self._set_up = False
         #: Whether the target was not checked for a committed checkpoint since the last save started.
         self._unchecked = True
+        self._begin_error: Exception | None = None
         self._recorder.reset()
         self._started = time.perf_counter()
-        # Refuse a part size the store cannot take now, not at the first part of write_data.
+        # Refuse a part size the store cannot take now, not at the first part of write_data (the same
+        # answer on every rank: nothing to carry).
         plan_part_size(None, self.transfer.part_size, self.store.limits)
         self._warm()
+        try:
+            self._check_target()
+        except Exception as exc:
+            if not in_process_group():
+                raise
+            log.debug("keeping the error checking %s for the save's first step: %r", self.checkpoint_id, exc)
+            self._begin_error = exc
+            return
+        self._unchecked = False
+
+    def _check_target(self) -> None:
+        """The bucket exists, nothing is committed at the target (unless ``overwrite``), the base is."""
         self._check_bucket()
         if not self.overwrite and self._metadata_exists():
             raise CheckpointExistsError(
@@ -188,7 +208,6 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         if self.base is not None:  # on every rank, before any collective step
             base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
             incremental.check_committed(self._retrying(), base)
-        self._unchecked = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -196,6 +215,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self._begin()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        error, self._begin_error = getattr(self, "_begin_error", None), None
+        if error is not None:  # the constructor's (or reset's) check failed on this rank
+            raise error
         # Torch calls reset() only when a checkpoint_id is passed, but this on every save:
         # a writer reused without one starts a new save here (fresh stats and clock), and
         # every save gets its own save_id (also copies pickled by async_save), which

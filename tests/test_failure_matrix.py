@@ -1,0 +1,240 @@
+"""One rank's failure ends every rank soon, with an error: the failure-propagation matrix on 4 gloo ranks.
+
+In each case one rank (the victim) reaches the store through a fault proxy
+that, from one phase of a save or load on, either never answers (accepts the
+request and holds it: a dead endpoint) or answers every request with 500. The
+other ranks talk to the store directly. Phases: the writer's and reader's
+constructors, the metadata fetch (and its broadcast), the incremental save's
+planning, writes, the commit, a rank's own reads, and the shared-read rounds.
+
+Every rank must end the case with an error within the retry deadline plus 15 s
+(never the process group's timeout); through ``dcp_cloud.save``/``load`` the
+victim raises the typed dcp_cloud error and the other ranks an error that names
+the victim's rank; and a failed save commits nothing. The ranks run every case
+of a store in one process group, one after the other (a case that hung would
+end the whole run at its timeout, naming the hung ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_cloud import RetryConfig
+from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+from dcp_cloud.testing.proxy.faults import RequestInfo
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+WORLD = 4
+#: The victim's retries: each request waits at most 1 s; a call gives up within the deadline.
+RETRY = RetryConfig(max_attempts=4, initial_backoff=0.1, max_backoff=0.5, deadline=4.0, request_timeout=1.0)
+#: Every rank must end a case this soon after it starts.
+BOUND = RETRY.deadline + 15.0
+#: The whole run's limit: every case ending within BOUND, with room for the spawn and the setup.
+TIMEOUT = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # "save" or "load"
+    victim: int
+    #: Which of the victim's requests fail: (method, path) -> bool.
+    faulty: Callable[[str, str], bool]
+    #: Keywords of the reader (load cases) or writer (save cases).
+    options: tuple[tuple[str, Any], ...] = ()
+    #: Load the replicated items only (every rank wants them: shared reads) instead of the sharded one.
+    replicated: bool = False
+
+
+def _any(method: str, path: str) -> bool:
+    return True
+
+
+def _shard_write(method: str, path: str) -> bool:
+    return method in ("PUT", "POST") and ".distcp" in path
+
+
+def _commit(method: str, path: str) -> bool:
+    return method in ("PUT", "POST") and path.rstrip("/").endswith(".metadata")
+
+
+def _base_metadata(method: str, path: str) -> bool:
+    return method == "GET" and path.endswith("/src/.metadata")
+
+
+def _metadata_get(method: str, path: str) -> bool:
+    return method == "GET" and path.endswith("/.metadata")
+
+
+def _shard_read(method: str, path: str) -> bool:
+    return method == "GET" and ".distcp" in path
+
+
+CASES = [
+    Case("save-constructor", "save", 2, _any),
+    Case("save-planning", "save", 0, _base_metadata, (("base", "src"),)),
+    Case("save-writes", "save", 3, _shard_write),
+    Case("save-commit", "save", 0, _commit),
+    Case("load-constructor", "load", 0, _any),
+    Case("load-other-rank", "load", 2, _any),
+    Case("load-metadata-unshared", "load", 1, _metadata_get, (("share_metadata", False),)),
+    Case("load-own-reads", "load", 1, _shard_read, (("share_reads", False),)),
+    Case("load-shared-reads", "load", 3, _shard_read, (), True),
+]
+FAULTS = ("dead", "500")
+
+
+def _plan(case: Case, fault: str) -> FaultPlan:
+    def when(request: RequestInfo) -> bool:
+        return case.faulty(request.method, request.path)
+
+    if fault == "dead":  # accept, read the request, answer nothing for far longer than any timeout here
+        return FaultPlan(stall=1.0, stall_seconds=3600.0, phase="request", when=when)
+    return FaultPlan(error_500=1.0, when=when)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+
+def _state(rank: int, seed: int, *, zeros: bool = False) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(256, 1024, generator=g)
+    state: dict[str, Any] = {"w": distribute_tensor(torch.zeros_like(full) if zeros else full, mesh, [Shard(0)])}
+    for i in range(8):
+        value = torch.randn(64, 256, generator=g)
+        state[f"r{i}"] = torch.zeros_like(value) if zeros else value
+    return state
+
+
+def _rank_main(rank: int, world: int, kind: str, root: str, endpoints: list[str], clean: str) -> list[dict[str, Any]]:
+    import time
+
+    import torch.distributed as dist
+
+    import dcp_cloud
+
+    def make(cls_kind: str, uri: str, endpoint: str, **kw: Any) -> Any:
+        cls = {
+            ("w", "s3"): dcp_cloud.S3Writer,
+            ("r", "s3"): dcp_cloud.S3Reader,
+            ("w", "gcs"): dcp_cloud.GCSWriter,
+            ("r", "gcs"): dcp_cloud.GCSReader,
+        }[(cls_kind, kind)]
+        where = {"endpoint_url": endpoint} if kind == "s3" else {"endpoint": endpoint}
+        return cls(uri, retry=RETRY, **where, **kw)
+
+    dcp_cloud.save(_state(rank, 0), storage_writer=make("w", f"{root}/src", clean))
+    out = []
+    for i, (case, fault) in enumerate(_cases()):
+        endpoint = endpoints[i] if rank == case.victim else clean
+        options = dict(case.options)
+        if "base" in options:
+            options["base"] = f"{root}/{options['base']}"
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            if case.op == "save":
+                target = f"{root}/{case.name}-{fault}"
+                dcp_cloud.save(_state(rank, 1), storage_writer=make("w", target, endpoint, **options))
+            else:
+                state = _state(rank, 0, zeros=True)
+                if case.replicated:
+                    state = {k: v for k, v in state.items() if k != "w"}
+                dcp_cloud.load(state, storage_reader=make("r", f"{root}/src", endpoint, **options))
+            outcome = {"error": None}
+        except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the test
+            outcome = {"error": type(exc).__name__, "message": str(exc)[:2000], "typed": _typed(exc)}
+        outcome.update(case=f"{case.name}/{fault}", rank=rank, seconds=time.monotonic() - started)
+        out.append(outcome)
+    dist.barrier()
+    return out
+
+
+def _typed(exc: BaseException) -> bool:
+    from dcp_cloud import DcpCloudError
+
+    return isinstance(exc, DcpCloudError)
+
+
+def _cases() -> Iterator[tuple[Case, str]]:
+    for case in CASES:
+        for fault in FAULTS:
+            yield case, fault
+
+
+# ---------------------------------------------------------------------------------------------- test
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[str, str], Callable[[str], bool]]]:
+    """``(kind, upstream endpoint, root URI, child env, committed(name))`` of a fresh bucket."""
+    if request.param == "s3":
+        server = request.getfixturevalue("moto_server")
+        bucket = request.getfixturevalue("s3_bucket")
+        env = dict(request.getfixturevalue("s3_env"))
+        client = request.getfixturevalue("moto_s3_client")
+
+        def committed(name: str) -> bool:
+            listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/.metadata")
+            return bool(listed.get("Contents"))
+
+        yield "s3", server.endpoint_url, f"s3://{bucket}", env, committed
+        return
+    emulator = request.getfixturevalue("gcs_emulator")
+    env = dict(request.getfixturevalue("gcs_env"))
+    bucket = request.getfixturevalue("gcs_bucket")
+
+    def committed_gcs(name: str) -> bool:
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+
+        obj = urllib.parse.quote(f"{name}/.metadata", safe="")
+        try:
+            with urllib.request.urlopen(f"{emulator.endpoint}/storage/v1/b/{bucket}/o/{obj}", timeout=30):
+                return True
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return False
+            raise
+
+    yield "gcs", emulator.endpoint, f"gs://{bucket}", env, committed_gcs
+
+
+def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
+    kind, upstream, root, env, committed = store
+    proxies = [FaultProxy(upstream, _plan(case, fault), flavor=kind).start() for case, fault in _cases()]
+    try:
+        results = run_ranks(WORLD, _rank_main, kind, root, [p.url for p in proxies], upstream, env=env, timeout=TIMEOUT)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    problems = []
+    for i, (case, fault) in enumerate(_cases()):
+        label = f"{case.name}/{fault}"
+        outcomes = [results[rank][i] for rank in range(WORLD)]
+        for o in outcomes:
+            assert o["case"] == label
+            if o["error"] is None:
+                problems.append(f"{label}: rank {o['rank']} ended without an error")
+                continue
+            if o["seconds"] > BOUND:
+                problems.append(f"{label}: rank {o['rank']} took {o['seconds']:.1f} s (> {BOUND:.0f} s)")
+            if o["rank"] == case.victim and not o["typed"]:
+                problems.append(f"{label}: the victim raised {o['error']}, not a dcp_cloud error: {o['message']}")
+            if o["rank"] != case.victim and f"rank {case.victim}" not in o["message"].lower():
+                problems.append(f"{label}: rank {o['rank']}'s error does not name rank {case.victim}: {o['message']}")
+        if case.op == "save" and committed(f"{case.name}-{fault}"):
+            problems.append(f"{label}: the failed save committed a checkpoint")
+    assert not problems, "\n".join(problems)
