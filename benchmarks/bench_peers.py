@@ -102,6 +102,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         import bench_throughput as BT
 
         extra = (BT._wire_s3_save if save else BT._wire_s3_load)(spec, sd)
+    elif spec["contender"] == "wire_gcs":
+        import bench_peers_gcs as BG
+
+        extra = (BG.blob_save if save else BG.blob_load)(spec, sd)
     elif save:
         writer = P.make_writer(spec)
         dcp.save(sd, storage_writer=writer)
