@@ -108,15 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--transfer", default="", type=BP._transfer_arg, metavar="K=V,...",
                    help="TransferConfig fields of dcp_cloud, e.g. concurrency=16")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per operation (default 600)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed small round")
-    p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers-gcs.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots (peers-gcs-*.png) into this directory")
-    p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
-    p.add_argument("--profile", default=None,
-                   help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    BP.add_run_options(p)
     args = p.parse_args(argv)
     args.scenarios = [x for x in args.scenarios.split(",") if x]
     args.contenders = [x for x in args.contenders.split(",") if x]
@@ -158,14 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     import _report
     import bench_peers as BP
 
-    from dcp_cloud import TransferConfig
     from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
 
-    targets = P.install(args.contenders)
-    d = TransferConfig()
-    wire = {"part_size": d.part_size, "concurrency": d.concurrency, "read_chunk_size": d.read_chunk_size}
-    env_info = C.environment()
-    env_info["machine"] = args.machine
+    targets, wire, env_info = BP.prepare(args)
     runs: list[dict[str, Any]] = []
     print(f"GCS peers: {args.contenders}, {args.scenarios}, {args.repeats} repeats", file=sys.stderr)
     with GCSEmulator() as emu:
