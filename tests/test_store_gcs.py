@@ -243,6 +243,47 @@ def test_read_sends_fresh_credentials(gcs_store: GCSStore, gcs_emulator: GCSEmul
     assert creds.refreshes == 2
 
 
+def test_read_stalled_mid_body_times_out_as_transient(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """The request timeout bounds every socket read of the body too, not only the wait for the headers."""
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    gcs_store.put("obj", os.urandom(1 << 20))
+    plan = FaultPlan(stall=1.0, stall_seconds=5.0, phase="response", when=lambda r: "range" in r.headers)
+    with FaultProxy(gcs_emulator.endpoint, plan, flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url), request_timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(TransientStoreError, match="connection to GCS failed"):
+            store.read_into("obj", 0, [memoryview(bytearray(1 << 20))])
+        assert time.monotonic() - started < 4.0
+
+
+def test_read_request_to_the_public_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an emulator or endpoint, a ranged read is the library's media GET on storage.googleapis.com
+    (answered here by a stub session: no network)."""
+    from google.auth.credentials import AnonymousCredentials
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    store = GCSStore("bkt", credentials=AnonymousCredentials())
+    session = store._client_()._http
+    sent: list[tuple[str, str, dict]] = []
+
+    def stub(method, url, headers=None, **kwargs):
+        sent.append((method, url, dict(headers or {})))
+        response = requests.Response()
+        response.status_code, response.url = 503, url
+        response.request = requests.Request(method, url).prepare()
+        response._content = b'{"error": {"code": 503, "message": "backend error"}}'
+        return response
+
+    monkeypatch.setattr(session, "request", stub)
+    with pytest.raises(ThrottledError, match="gs://bkt/dir/a key"):
+        store.read_into("dir/a key", 7, [memoryview(bytearray(3)), memoryview(bytearray(2))])
+    ((method, url, headers),) = sent
+    assert method == "GET"
+    assert url == "https://storage.googleapis.com/download/storage/v1/b/bkt/o/dir%2Fa%20key?alt=media"
+    assert headers["Range"] == "bytes=7-11" and headers["Accept-Encoding"] == "gzip"
+
+
 def test_read_answer_for_other_bytes_is_refused(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Content-Range of the answer is checked: bytes of another range never land in the targets."""
     gcs_store.put("obj", b"0123456789")
