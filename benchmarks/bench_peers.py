@@ -379,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _draw(summary: dict[str, Any], earlier_runs: list[str], directory: str, keep: list[str] | None = None) -> None:
+def _draw(
+    summary: dict[str, Any], earlier_runs: list[str], directory: str, keep: list[str] | None = None, name: str = "peers"
+) -> None:
     """Plot ``summary`` with what it lacks, by operation and path, taken from ``earlier_runs`` (first wins);
     only the contenders in ``keep`` (None: all)."""
     import _plots
@@ -393,7 +395,7 @@ def _draw(summary: dict[str, Any], earlier_runs: list[str], directory: str, keep
     if keep is not None:
         merged = {op: {p: {c: v for c, v in cells.items() if c in keep} for p, cells in paths.items()}
                   for op, paths in merged.items()}  # fmt: skip
-    for f in _plots.plot(merged, directory):
+    for f in _plots.plot(merged, directory, name):
         print(f"plot: {f}")
 
 

@@ -110,6 +110,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="TransferConfig fields of dcp_cloud, e.g. concurrency=16")  # fmt: skip
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers-gcs.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots (peers-gcs-*.png) into this directory")
+    p.add_argument("--plot-with", nargs="*", default=[], metavar="JSON",
+                   help="results (--json) of earlier runs whose operations this run lacks, drawn in the same plots "
+                   "(e.g. a 1p,small run and a 4r run); the first that has one wins")  # fmt: skip
+    p.add_argument("--replot", action="store_true", help="run nothing: draw --plots from the --plot-with results")
     BP.add_run_options(p)
     args = p.parse_args(argv)
     args.scenarios = [x for x in args.scenarios.split(",") if x]
@@ -117,6 +121,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [c for c in args.contenders if c not in CONTENDERS] + [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown contenders or scenarios: {bad}")
+    if args.replot and not (args.plots and args.plot_with):
+        p.error("--replot needs --plots and --plot-with")
     return args
 
 
@@ -147,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         C.child_main(argv[1], {"save": BP.child, "load": BP.child})
         return 0
     args = parse_args(argv)
+    if args.replot:
+        import bench_peers as BP
+
+        BP._draw({}, args.plot_with, args.plots, name="peers-gcs")
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks stop the emulator
     import _ranks
     import _report
@@ -244,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     C.write_results(json_path, {"benchmark": "peers-gcs", "args": vars(args), "environment": env_info,
                                 "summary": summary, "runs": runs}, text)  # fmt: skip
     if args.plots:
-        import _plots
-
-        for f in _plots.plot(summary, args.plots, name="peers-gcs"):
-            print(f"plot: {f}")
+        BP._draw(summary, args.plot_with, args.plots, name="peers-gcs")
     return 0
 
 
