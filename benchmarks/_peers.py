@@ -13,12 +13,27 @@ Contenders:
   wire baseline; one process only);
 * ``dcp_cloud_ref`` the ``dcp_cloud`` contender run from another checkout (``--ref-path``).
 
+On GCS (bench_peers_gcs.py; ``dcp_cloud`` is then ``GCSWriter`` / ``GCSReader``):
+
+* ``gcsfs_t4``    torch's stock ``FsspecWriter(thread_count=4)`` / ``FsspecReader`` over gcsfs
+  (``endpoint_url`` and ``token="anon"`` as storage options; ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``,
+  without which gcsfs asks the gRPC Storage Control API for each bucket's layout, which the emulator
+  does not serve: every lookup retries for 60 s);
+* ``dataflux``    gcs-torch-dataflux 1.4.0's ``GCSDistributedReader`` (it finds the emulator through
+  ``STORAGE_EMULATOR_HOST``); it loads what ``gcsfs_t4`` saved, stock DCP files, because its writer
+  uploads with GCS's XML multipart API, which fake-gcs-server rejects (400);
+* ``wire_gcs``    google-cloud-storage's one-blob upload and download of the same bytes, with the
+  library's defaults (100 MiB resumable chunks up, one streamed GET down; one process only).
+
 s3torchconnector and s3fs each live in their own ``pip install --target``
 directory under the cache (``$DCP_CLOUD_BENCH_CACHE`` or
 ``~/.cache/dcp-cloud-bench``), put first on ``sys.path`` in their own child
 processes only: s3fs brings its own aiobotocore and botocore, pinned so pip
 does not fall back to an ancient s3fs, and this environment's boto3 stays as
-it is.
+it is. gcsfs likewise (it brings its own google-cloud-storage 3 and gRPC); gcs-torch-dataflux
+needs google-cloud-storage 2.19 (it uses a helper 3.x removed) and imports ``lightning``: they go
+``--no-deps`` into their own directory with lightning's own imports, and take google-auth and the
+rest from this environment.
 """
 
 from __future__ import annotations
@@ -32,13 +47,25 @@ S3TC_VERSION = "1.5.0"
 S3FS_VERSION = "2026.9.0"
 #: aiobotocore 3.10 (what s3fs 2026.9.0 needs) accepts botocore 1.43.115..117 only.
 S3FS_BOTOCORE = "1.43.117"
+GCSFS_VERSION = "2026.10.1"
+DATAFLUX_VERSION = "1.4.0"
+#: What gcs-torch-dataflux imports beyond this environment, installed --no-deps beside it.
+DATAFLUX_PACKAGES = (
+    f"gcs-torch-dataflux=={DATAFLUX_VERSION}", "google-cloud-storage==2.19.0", "absl-py==2.5.1",
+    "lightning==2.6.6", "lightning-utilities==0.15.3", "torchmetrics==1.9.0", "tqdm==4.70.1", "pyyaml==6.0.4",
+)  # fmt: skip
 
 S3TC = ("s3tc_t1", "s3tc_t4")
 FSSPEC = ("fsspec_t4",)
-PEERS = (*S3TC, *FSSPEC)
-CLOUD = ("dcp_cloud", "dcp_cloud_ref", "wire", *PEERS)
+GCSFS = ("gcsfs_t4",)
+DATAFLUX = ("dataflux",)
+GCS_PEERS = (*GCSFS, *DATAFLUX)
+PEERS = (*S3TC, *FSSPEC, *GCS_PEERS)
+CLOUD = ("dcp_cloud", "dcp_cloud_ref", "wire", "wire_gcs", *PEERS)
 LOCAL_DISK = ("stock_fs_t1",)
-ALL = ("dcp_cloud", *PEERS, "wire", *LOCAL_DISK, "dcp_cloud_ref")
+ALL = ("dcp_cloud", *PEERS, "wire", "wire_gcs", *LOCAL_DISK, "dcp_cloud_ref")
+#: Contenders that cannot save where the race runs: who saves the checkpoints they load (not recorded).
+SAVED_BY = {"dataflux": "gcsfs_t4"}
 LABELS = {
     "dcp_cloud": "dcp_cloud",
     "dcp_cloud_ref": "dcp_cloud (--ref-path)",
@@ -47,6 +74,9 @@ LABELS = {
     "fsspec_t4": f"FsspecWriter+s3fs {S3FS_VERSION} t=4",
     "stock_fs_t1": "FileSystemWriter t=1 (local disk)",
     "wire": "wire (boto3, dcp_cloud's requests)",
+    "gcsfs_t4": f"FsspecWriter+gcsfs {GCSFS_VERSION} t=4",
+    "dataflux": f"gcs-torch-dataflux {DATAFLUX_VERSION} (loads gcsfs's saves)",
+    "wire_gcs": "wire (google-cloud-storage, one blob)",
 }
 
 
@@ -60,6 +90,14 @@ def s3tc_target() -> str:
 
 def s3fs_target() -> str:
     return os.path.join(cache_dir(), f"s3fs-{S3FS_VERSION}")
+
+
+def gcsfs_target() -> str:
+    return os.path.join(cache_dir(), f"gcsfs-{GCSFS_VERSION}")
+
+
+def dataflux_target() -> str:
+    return os.path.join(cache_dir(), f"dataflux-{DATAFLUX_VERSION}")
 
 
 def _pip_target(target: str, marker: str, packages: list[str], *, no_deps: bool) -> None:
@@ -85,6 +123,12 @@ def install(contenders: list[str]) -> dict[str, str]:
     if any(c in FSSPEC for c in contenders):
         _pip_target(s3fs_target(), "s3fs", [f"s3fs=={S3FS_VERSION}", f"botocore=={S3FS_BOTOCORE}"], no_deps=False)
         out.update(dict.fromkeys(FSSPEC, s3fs_target()))
+    if any(c in (*GCSFS, *DATAFLUX) for c in contenders):  # dataflux loads what gcsfs saved
+        _pip_target(gcsfs_target(), "gcsfs", [f"gcsfs=={GCSFS_VERSION}"], no_deps=False)
+        out.update(dict.fromkeys(GCSFS, gcsfs_target()))
+    if any(c in DATAFLUX for c in contenders):
+        _pip_target(dataflux_target(), "dataflux_pytorch", list(DATAFLUX_PACKAGES), no_deps=True)
+        out.update(dict.fromkeys(DATAFLUX, dataflux_target()))
     return out
 
 
@@ -103,6 +147,17 @@ def preload(spec: dict[str, Any]) -> None:
     elif c in FSSPEC:
         import s3fs  # noqa: F401
         import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+    elif c in GCSFS:
+        os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # read when gcsfs is imported
+        import gcsfs  # noqa: F401
+        import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+    elif c in DATAFLUX:
+        import dataflux_pytorch.lightning  # noqa: F401
+    elif spec.get("backend") == "gcs":
+        import google.cloud.storage  # noqa: F401 - dcp_cloud builds its GCS client from it, on first use
+
+        import dcp_cloud  # noqa: F401
+        import dcp_cloud.store.gcs  # noqa: F401
     elif c != "stock_fs_t1":
         import boto3  # noqa: F401
         import botocore.config  # noqa: F401
@@ -135,12 +190,17 @@ def _fsspec_kwargs() -> dict[str, Any]:
     return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
 
 
+def _gcsfs_kwargs() -> dict[str, Any]:
+    return {"endpoint_url": os.environ["STORAGE_EMULATOR_HOST"], "token": "anon"}
+
+
 def make_writer(spec: dict[str, Any]) -> Any:
     c = spec["contender"]
     if c in ("dcp_cloud", "dcp_cloud_ref"):
         import dcp_cloud
 
-        return dcp_cloud.S3Writer(spec["uri"], transfer=_transfer(spec))
+        cls = dcp_cloud.GCSWriter if spec.get("backend") == "gcs" else dcp_cloud.S3Writer
+        return cls(spec["uri"], transfer=_transfer(spec))
     if c in S3TC:
         from s3torchconnector.dcp import S3StorageWriter
 
@@ -149,6 +209,10 @@ def make_writer(spec: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(spec["uri"], thread_count=_threads(c), **_fsspec_kwargs())
+    if c in GCSFS:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(spec["uri"], thread_count=_threads(c), **_gcsfs_kwargs())
     if c == "stock_fs_t1":
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -161,7 +225,8 @@ def make_reader(spec: dict[str, Any]) -> Any:
     if c in ("dcp_cloud", "dcp_cloud_ref"):
         import dcp_cloud
 
-        return dcp_cloud.S3Reader(spec["uri"], transfer=_transfer(spec))
+        cls = dcp_cloud.GCSReader if spec.get("backend") == "gcs" else dcp_cloud.S3Reader
+        return cls(spec["uri"], transfer=_transfer(spec))
     if c in S3TC:
         from s3torchconnector.dcp import S3StorageReader
 
@@ -170,6 +235,14 @@ def make_reader(spec: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(spec["uri"], **_fsspec_kwargs())
+    if c in GCSFS:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(spec["uri"], **_gcsfs_kwargs())
+    if c in DATAFLUX:
+        from dataflux_pytorch.lightning import GCSDistributedReader
+
+        return GCSDistributedReader(spec["uri"], project_name=os.environ["GOOGLE_CLOUD_PROJECT"])
     if c == "stock_fs_t1":
         from torch.distributed.checkpoint import FileSystemReader
 

@@ -13,6 +13,7 @@ PATH_ORDER = ("loopback", "shaped", "https")
 COLORS = {
     "dcp_cloud": "#d62728", "dcp_cloud_ref": "#ff9896", "s3tc_t1": "#1f77b4", "s3tc_t4": "#aec7e8",
     "fsspec_t4": "#2ca02c", "wire": "#7f7f7f", "stock_fs_t1": "#bcbd22",
+    "gcsfs_t4": "#2ca02c", "dataflux": "#9467bd", "wire_gcs": "#7f7f7f",
 }  # fmt: skip
 
 
@@ -58,8 +59,8 @@ def _legend(fig: Any, contenders: list[str]) -> None:
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
 
 
-def plot(summary: dict[str, Any], directory: str) -> list[str]:
-    """Write ``peers-throughput.png`` and ``peers-cost.png`` into ``directory``; their paths."""
+def plot(summary: dict[str, Any], directory: str, name: str = "peers") -> list[str]:
+    """Write ``{name}-throughput.png`` and ``{name}-cost.png`` into ``directory``; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +75,7 @@ def plot(summary: dict[str, Any], directory: str) -> list[str]:
     axes[0][0].set_ylabel("MiB/s (median, bars: min-max)")
     _legend(fig, contenders)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    out.append(os.path.join(directory, "peers-throughput.png"))
+    out.append(os.path.join(directory, f"{name}-throughput.png"))
     fig.savefig(out[-1], dpi=72)
     plt.close(fig)
     fig, axes = plt.subplots(2, len(ops), figsize=(3.2 * len(ops), 6.4), squeeze=False)
@@ -85,7 +86,7 @@ def plot(summary: dict[str, Any], directory: str) -> list[str]:
     axes[1][0].set_ylabel("extra peak RSS MiB (median)")
     _legend(fig, contenders)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    out.append(os.path.join(directory, "peers-cost.png"))
+    out.append(os.path.join(directory, f"{name}-cost.png"))
     fig.savefig(out[-1], dpi=72)
     plt.close(fig)
     return out

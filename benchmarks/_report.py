@@ -12,7 +12,7 @@ import _common as C
 import _peers as P
 
 GiB = 1024 * C.MiB
-OPS = ("save 1p", "load 1p", "save 4", "load 4->4", "load 4->3")
+OPS = ("save 1p", "load 1p", "save small", "load small", "save 4", "load 4->4", "load 4->3")
 #: Goals of issue 13: (what, path, target).
 THROUGHPUT_GOAL = 1.5
 CPU_GOAL = 1.0
@@ -120,7 +120,7 @@ def _cpu_table(summary: dict[str, Any], cores: int) -> str:
         return ""
     return (
         "#### Where the CPU went (medians)\n\n"
-        f"Client CPU in the timed span, summed over ranks; the S3 server's and the proxy's (this process's) CPU "
+        f"Client CPU in the timed span, summed over ranks; the server's and the proxy's (this process's) CPU "
         f"over the whole operation; busy = their sum over {cores} cores x the timed span.\n\n"
         + C.markdown_table(
             ["operation", "path", "contender", "seconds", "client CPU s", "server CPU s", "proxy CPU s", "busy"], rows
@@ -128,42 +128,69 @@ def _cpu_table(summary: dict[str, Any], cores: int) -> str:
     )
 
 
-def goals(summary: dict[str, Any]) -> list[list[str]]:
-    """dcp_cloud against the best peer: throughput on the shaped path, CPU over HTTPS, memory on every path."""
+#: One goal: (operation or None for every one, path or None for every one, summary key, higher is better,
+#: limit on dcp_cloud's ratio, what it is compared with: "peer" for the best peer, else a contender).
+Goal = tuple[str | None, str | None, str, bool, float, str]
+#: The S3 race's goals (issue 13): throughput on the shaped path, CPU over HTTPS, memory on every path.
+S3_GOALS: tuple[Goal, ...] = (
+    (None, "shaped", "mib_s_median", True, THROUGHPUT_GOAL, "peer"),
+    (None, "https", "cpu_s_per_gib_median", False, CPU_GOAL, "peer"),
+    (None, None, "rss_extra_mib_median", False, MEMORY_GOAL, "peer"),
+)
+_GOAL_UNITS = {"mib_s_median": "MiB/s", "cpu_s_per_gib_median": "CPU s/GiB", "rss_extra_mib_median": "extra RSS"}
+
+
+def goals(summary: dict[str, Any], wanted: tuple[Goal, ...] = S3_GOALS) -> list[list[str]]:
+    """dcp_cloud against the best peer (or another contender), goal by goal, met or not."""
     rows = []
     for op in [o for o in OPS if o in summary]:
-        checks = [("shaped", "mib_s_median", True, f">= {THROUGHPUT_GOAL}x MiB/s"),
-                  ("https", "cpu_s_per_gib_median", False, f"<= {CPU_GOAL}x CPU s/GiB")]  # fmt: skip
-        checks += [(p, "rss_extra_mib_median", False, f"<= {MEMORY_GOAL}x extra RSS") for p in summary[op]]
-        for path, key, highest, target in checks:
-            cells = summary[op].get(path, {})
-            if "dcp_cloud" not in cells:
+        for goal_op, goal_path, key, highest, limit, against in wanted:
+            if goal_op not in (None, op):
                 continue
-            peer, value = _best(cells, key, highest)
-            if peer is None:  # no peer ran here: nothing to compare with
-                continue
-            ratio = _ratio(cells["dcp_cloud"][key], value)
-            limit = float(target.split()[1].rstrip("x"))
-            met = ratio is not None and (ratio >= limit if highest else ratio <= limit)
-            rows.append([op, path, target, C.fmt(cells["dcp_cloud"][key], 2),
-                         f"{C.fmt(value, 2)} ({P.LABELS.get(peer or '', '-')})", C.fmt(ratio, 2),
-                         "yes" if met else "NO"])  # fmt: skip
+            for path in [p for p in summary[op] if goal_path in (None, p)]:
+                cells = summary[op][path]
+                if "dcp_cloud" not in cells:
+                    continue
+                if against == "peer":
+                    other, value = _best(cells, key, highest)
+                else:
+                    other, value = against, (cells.get(against) or {}).get(key)
+                if other is None or value is None:  # nothing to compare with here
+                    continue
+                ratio = _ratio(cells["dcp_cloud"][key], value)
+                met = ratio is not None and (ratio >= limit if highest else ratio <= limit)
+                target = f"{'>=' if highest else '<='} {limit:g}x {_GOAL_UNITS.get(key, key)}"
+                rows.append([op, path, target, C.fmt(cells["dcp_cloud"][key], 2),
+                             f"{C.fmt(value, 2)} ({P.LABELS.get(other, other)})", C.fmt(ratio, 2),
+                             "yes" if met else "NO"])  # fmt: skip
     return rows
 
 
-def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
+def render(
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    *,
+    server: str = "s3rver",
+    peers_note: str = "s3torchconnector t=1/t=4, FsspecWriter+s3fs",
+    scenario_note: str | None = None,
+    wanted: tuple[Goal, ...] = S3_GOALS,
+) -> str:
     la0 = env.get("loadavg_start")
     la1 = env.get("loadavg_end")
     fmt_la = lambda la: "-" if not la else " / ".join(f"{x:.2f}" for x in la)  # noqa: E731
     head = [
-        f"### Peers on s3rver: {env.get('time', '')[:10]}, {env.get('machine')}",
+        f"### Peers on {server}: {env.get('time', '')[:10]}, {env.get('machine')}",
         "",
         f"load average (1/5/15 min) at start {fmt_la(la0)}, at end {fmt_la(la1)}; "
         f"{args.repeats} repeats, contenders interleaved, every operation in fresh processes; "
-        f"1p: {args.size_mb:g} MiB in {args.tensors} tensors; 4r: {args.multi_size_mb:g} MiB in all "
-        f"(DTensor Shard(0)) saved by 4 ranks, loaded by 4 and by 3. CPU and extra peak RSS are summed over "
-        "ranks. Ratios: to the best peer (s3torchconnector t=1/t=4, FsspecWriter+s3fs) of the same row group "
-        "(highest MiB/s, lowest CPU, lowest RSS).",
+        + (
+            scenario_note
+            or f"1p: {args.size_mb:g} MiB in {args.tensors} tensors; 4r: {args.multi_size_mb:g} MiB "
+            "in all (DTensor Shard(0)) saved by 4 ranks, loaded by 4 and by 3"
+        )
+        + f". CPU and extra peak RSS are summed over ranks. Ratios: to the best peer ({peers_note}) of the same "
+        "row group (highest MiB/s, lowest CPU, lowest RSS).",
         "",
         "paths: " + "; ".join(f"{k}: {v}" for k, v in env.get("paths", {}).items()),
         "",
@@ -179,7 +206,7 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
     cpu = _cpu_table(summary, env.get("cpus") or 1)
     if cpu:
         parts.append(cpu)
-    g = goals(summary)
+    g = goals(summary, wanted)
     if g:
         parts.append("#### Goals (dcp_cloud against the best peer)\n\n" + C.markdown_table(
             ["operation", "path", "goal", "dcp_cloud", "best peer", "ratio", "met"], g))  # fmt: skip

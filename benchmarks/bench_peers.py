@@ -102,6 +102,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         import bench_throughput as BT
 
         extra = (BT._wire_s3_save if save else BT._wire_s3_load)(spec, sd)
+    elif spec["contender"] == "wire_gcs":
+        import bench_peers_gcs as BG
+
+        extra = (BG.blob_save if save else BG.blob_load)(spec, sd)
     elif save:
         writer = P.make_writer(spec)
         dcp.save(sd, storage_writer=writer)
@@ -158,6 +162,17 @@ def _transfer_arg(text: str) -> dict[str, int | float | bool]:
     return out
 
 
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options every peer race takes (also bench_peers_gcs.py's)."""
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per operation (default 600)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed small round")
+    p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
+    p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
+    p.add_argument("--profile", default=None,
+                   help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,9 +195,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ref-transfer", default="", type=_transfer_arg, metavar="K=V,...",
                    help="the same for dcp_cloud_ref (--ref-path . : one checkout, two configurations)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="temporary files (s3rver data, local disk contender)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per operation (default 600)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed small round")
-    p.add_argument("--no-verify", action="store_true", help="skip checking loaded values (checked after timing)")
     p.add_argument("--json", default=None, help="raw results (default bench-results/peers.json)")
     p.add_argument("--plots", default=None, help="also write PNG plots into this directory")
     p.add_argument(
@@ -195,10 +207,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--replot", action="store_true",
                    help="run nothing: draw --plots of --contenders from the --plot-with results alone")  # fmt: skip
-    p.add_argument("--machine", default=f"{os.cpu_count()}-core machine", help="how the report describes the host")
-    p.add_argument("--profile", default=None,
-                   help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    add_run_options(p)
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
     args.scenarios = [x for x in args.scenarios.split(",") if x]
@@ -248,6 +257,18 @@ def _applies(contender: str, path: str, scenario: str) -> bool:
     return True
 
 
+def prepare(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, int], dict[str, Any]]:
+    """Install the peers; (their --target directories, the wire's transfer sizes, the environment's facts)."""
+    from dcp_cloud import TransferConfig
+
+    targets = P.install(args.contenders)
+    d = TransferConfig()
+    wire = {"part_size": d.part_size, "concurrency": d.concurrency, "read_chunk_size": d.read_chunk_size}
+    env_info = C.environment()
+    env_info["machine"] = args.machine
+    return targets, wire, env_info
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -268,13 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     import _report
     import _s3rver
 
-    from dcp_cloud import TransferConfig
-
-    targets = P.install(args.contenders)
-    d = TransferConfig()
-    wire = {"part_size": d.part_size, "concurrency": d.concurrency, "read_chunk_size": d.read_chunk_size}
-    env_info = C.environment()
-    env_info["machine"] = args.machine
+    targets, wire, env_info = prepare(args)
     runs: list[dict[str, Any]] = []
     local_root = tempfile.mkdtemp(prefix="dcp-cloud-bench-peers-", dir=args.workdir)
     print(f"peers: {args.contenders} over {args.paths}, {args.scenarios}, {args.repeats} repeats", file=sys.stderr)
@@ -364,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _draw(summary: dict[str, Any], earlier_runs: list[str], directory: str, keep: list[str] | None = None) -> None:
+def _draw(
+    summary: dict[str, Any], earlier_runs: list[str], directory: str, keep: list[str] | None = None, name: str = "peers"
+) -> None:
     """Plot ``summary`` with what it lacks, by operation and path, taken from ``earlier_runs`` (first wins);
     only the contenders in ``keep`` (None: all)."""
     import _plots
@@ -378,7 +395,7 @@ def _draw(summary: dict[str, Any], earlier_runs: list[str], directory: str, keep
     if keep is not None:
         merged = {op: {p: {c: v for c, v in cells.items() if c in keep} for p, cells in paths.items()}
                   for op, paths in merged.items()}  # fmt: skip
-    for f in _plots.plot(merged, directory):
+    for f in _plots.plot(merged, directory, name):
         print(f"plot: {f}")
 
 

@@ -167,16 +167,137 @@ def test_read_into_zero_bytes_makes_no_request(gcs_emulator: GCSEmulator, gcs_en
     store.read_into("whatever", 0, [])
 
 
-def test_short_body_is_transient(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_short_body_is_transient(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """A body cut short on the wire (full Content-Length, then FIN) is retryable, and the pool recovers."""
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    data = os.urandom(3 * 1024 * 1024)
+    gcs_store.put("obj", data)
+    plan = FaultPlan(truncate=1.0, when=lambda r: "range" in r.headers, max_faults=1)
+    with FaultProxy(gcs_emulator.endpoint, plan, flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url), request_timeout=30.0)
+        out = bytearray(len(data))
+        with pytest.raises(TransientStoreError, match="ended early") as info:
+            store.read_into("obj", 0, [memoryview(out)[:1000], memoryview(out)[1000:]])
+        assert proxy.snapshot().faults["truncate"] == 1
+        store.read_into("obj", 0, [memoryview(out)])  # the broken connection was not reused
+        assert out == data
+    assert info.value.__cause__ is None
+
+
+def test_read_lands_in_the_buffers_without_copies(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranged reads go from http.client straight into the targets: never through urllib3's or the library's
+    chunked reads (each a new bytes object copied into place)."""
+    import urllib3.response
+
+    def forbidden(self: object, *args: object, **kwargs: object) -> object:
+        raise AssertionError("a body read that copies through temporary bytes objects")
+
+    data = os.urandom(2 * 1024 * 1024)
+    gcs_store.put("big", data)
+    for name in ("read", "readinto", "stream", "read_chunked"):
+        monkeypatch.setattr(urllib3.response.HTTPResponse, name, forbidden)
+    monkeypatch.setattr(type(gcs_store._blob("big")), "download_to_file", forbidden)
+    out = bytearray(len(data) - 10)
+    gcs_store.read_into("big", 5, [memoryview(out)[:1000], memoryview(out)[1000:]])
+    assert out == data[5:-5]
+
+
+def test_read_sends_fresh_credentials(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """Ranged reads carry the credentials' token, refreshed when it has expired (what the wire shows)."""
+    import datetime
+
+    import google.auth.credentials
+
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    class Counting(google.auth.credentials.Credentials):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refreshes = 0
+
+        def refresh(self, request: object) -> None:
+            self.refreshes += 1
+            self.token = f"token-{self.refreshes}"
+            now = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)  # google-auth: naive UTC
+            self.expiry = now + datetime.timedelta(hours=1)
+
     gcs_store.put("obj", b"0123456789")
-    blob_cls = type(gcs_store._blob("obj"))
+    seen: list[str | None] = []
 
-    def truncated(self, file_obj, start=None, end=None, **kwargs):
-        file_obj.write(b"01")  # the connection "ended" early inside the object
+    def record(request) -> bool:  # sees every ranged GET on the wire; injects nothing
+        if "range" in request.headers:
+            seen.append(request.headers.get("authorization"))
+        return False
 
-    monkeypatch.setattr(blob_cls, "download_to_file", truncated)
-    with pytest.raises(TransientStoreError, match="short read"):
-        gcs_store.read_into("obj", 0, [memoryview(bytearray(8))])
+    creds = Counting()
+    with FaultProxy(gcs_emulator.endpoint, FaultPlan(slowdown=1.0, when=record), flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url), credentials=creds)
+        out = bytearray(4)
+        store.read_into("obj", 2, [memoryview(out)])
+        store.read_into("obj", 2, [memoryview(out)])
+        creds.expiry = datetime.datetime(2000, 1, 1)  # expired: refreshed before the next request
+        store.read_into("obj", 2, [memoryview(out)])
+    assert out == b"2345"
+    assert seen == ["Bearer token-1", "Bearer token-1", "Bearer token-2"]
+    assert creds.refreshes == 2
+
+
+def test_read_stalled_mid_body_times_out_as_transient(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """The request timeout bounds every socket read of the body too, not only the wait for the headers."""
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    gcs_store.put("obj", os.urandom(1 << 20))
+    plan = FaultPlan(stall=1.0, stall_seconds=5.0, phase="response", when=lambda r: "range" in r.headers)
+    with FaultProxy(gcs_emulator.endpoint, plan, flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url), request_timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(TransientStoreError, match="connection to GCS failed"):
+            store.read_into("obj", 0, [memoryview(bytearray(1 << 20))])
+        assert time.monotonic() - started < 4.0
+
+
+def test_read_request_to_the_public_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an emulator or endpoint, a ranged read is the library's media GET on storage.googleapis.com
+    (answered here by a stub session: no network)."""
+    from google.auth.credentials import AnonymousCredentials
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    store = GCSStore("bkt", credentials=AnonymousCredentials())
+    session = store._client_()._http
+    sent: list[tuple[str, str, dict]] = []
+
+    def stub(method, url, headers=None, **kwargs):
+        sent.append((method, url, dict(headers or {})))
+        response = requests.Response()
+        response.status_code, response.url = 503, url
+        response.request = requests.Request(method, url).prepare()
+        response._content = b'{"error": {"code": 503, "message": "backend error"}}'
+        return response
+
+    monkeypatch.setattr(session, "request", stub)
+    with pytest.raises(ThrottledError, match="gs://bkt/dir/a key"):
+        store.read_into("dir/a key", 7, [memoryview(bytearray(3)), memoryview(bytearray(2))])
+    ((method, url, headers),) = sent
+    assert method == "GET"
+    assert url == "https://storage.googleapis.com/download/storage/v1/b/bkt/o/dir%2Fa%20key?alt=media"
+    assert headers["Range"] == "bytes=7-11" and headers["Accept-Encoding"] == "gzip"
+
+
+def test_read_answer_for_other_bytes_is_refused(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Content-Range of the answer is checked: bytes of another range never land in the targets."""
+    gcs_store.put("obj", b"0123456789")
+    session = gcs_store._client_()._http
+    real = session.request
+
+    def shifted(method, url, *args, headers=None, **kwargs):
+        return real(method, url, *args, headers={**(headers or {}), "Range": "bytes=1-3"}, **kwargs)
+
+    monkeypatch.setattr(session, "request", shifted)
+    out = bytearray(3)
+    with pytest.raises(StoreError, match="bytes=0|bytes 0..3"):
+        gcs_store.read_into("obj", 0, [memoryview(out)])
+    assert out == bytearray(3)
 
 
 # -- composite uploads ------------------------------------------------------------------------

@@ -35,10 +35,15 @@ ObjectNotFoundError (a bucket seen once is not probed again).
 
 Reads
 -----
-:meth:`GCSStore.read_into` is one ranged GET (``bytes=start-end``, raw: never
-decompressed) whose body is written straight into the caller's buffers in
-order. A short body raises TransientStoreError unless the object is shorter
-than the range (then, like a 416, CorruptCheckpointError).
+:meth:`GCSStore.read_into` is one ranged JSON-API media GET (``bytes=start-end``,
+raw: never decompressed) sent through the client's authorized session, whose
+body the kernel copies straight into the caller's buffers, in order (see
+:mod:`dcp_cloud.store.gcs.media`; the library's download helper would read it
+8 KiB at a time and copy every byte once more). An answer whose Content-Range
+shows an object shorter than the range raises CorruptCheckpointError (like a
+416); a body that ends early raises TransientStoreError. :meth:`GCSStore.get`
+(small objects: the ``.metadata``) stays the library's download, which checks
+the whole object's CRC32C.
 
 Uploads
 -------

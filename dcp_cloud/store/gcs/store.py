@@ -19,16 +19,16 @@ from ...errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
-    TransientStoreError,
 )
 from ..clients import shared_client
-from ..payload import Buffer, Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
+from ..payload import Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
 from ..protocol import ObjectInfo, PartLimits
 from ..warmup import session_pool, warm_pool
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
 from .config import GCSConfig, _require, _resolve_credentials
 from .copy import rewrite_object
 from .errors import _translate, _url
+from .media import api_base, read_media_range, target_views
 
 if TYPE_CHECKING:  # pragma: no cover
     import google.auth.credentials
@@ -40,61 +40,6 @@ TiB = 1024 * 1024 * MiB
 #: Largest ``create_only`` put sent as one ``uploadType=multipart`` request (the
 #: library's single-request limit); larger ones and all other uploads are media uploads.
 _MAX_SMALL_CREATE = 8 * MiB
-
-
-# --------------------------------------------------------------------------- buffers
-
-
-def _byte_view(data: Buffer, *, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte view of ``data``.
-
-    A non-contiguous source (e.g. ``view[::2]``) is copied into C order; a
-    non-contiguous *target* is kept as is when it already is 1-D bytes (slice
-    assignment handles strides) and refused otherwise.
-    """
-    view = memoryview(data)
-    if view.format == "B" and view.ndim == 1 and (view.c_contiguous or writable):
-        return view
-    if view.c_contiguous:
-        return view.cast("B")
-    if writable:
-        raise StoreError("read_into needs contiguous (or 1-D byte) memoryviews as targets")
-    return memoryview(view.tobytes())
-
-
-class _Overflow(Exception):
-    """The server sent more bytes than the requested range."""
-
-
-class _ScatterWriter:
-    """A write-only file whose writes fill ``outs[0]``, then ``outs[1]``, ... in order."""
-
-    def __init__(self, outs: Sequence[memoryview]) -> None:
-        self._outs = [v for v in (_byte_view(o, writable=True) for o in outs) if len(v)]
-        self._index = 0
-        self._offset = 0
-        self.written = 0
-
-    def write(self, data: Buffer) -> int:
-        src = _byte_view(data)
-        n = len(src)
-        pos = 0
-        while pos < n:
-            if self._index >= len(self._outs):
-                raise _Overflow
-            out = self._outs[self._index]
-            take = min(len(out) - self._offset, n - pos)
-            out[self._offset : self._offset + take] = src[pos : pos + take]
-            pos += take
-            self._offset += take
-            if self._offset == len(out):
-                self._index += 1
-                self._offset = 0
-        self.written += n
-        return n
-
-    def flush(self) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------- store
@@ -230,7 +175,7 @@ class GCSStore(_CompositeUploads):
         (see :func:`~dcp_cloud.store.warmup.warm_pool`). Nothing is warmed through a proxy."""
         try:
             client = self._client_()
-            pool = session_pool(client._http, client._connection.API_BASE_URL)
+            pool = session_pool(client._http, api_base(client))
         except Exception:  # noqa: BLE001 - the first request reports what is wrong
             return
         if pool is not None:
@@ -319,11 +264,7 @@ class GCSStore(_CompositeUploads):
 
         client = self._client_()
         connection = client._connection
-        base = (
-            connection.get_api_base_url_for_mtls()
-            if hasattr(connection, "get_api_base_url_for_mtls")
-            else connection.API_BASE_URL
-        )
+        base = api_base(client)
         params = [("uploadType", "media"), ("name", name)]
         if create_only:
             params.append(("ifGenerationMatch", "0"))
@@ -386,45 +327,11 @@ class GCSStore(_CompositeUploads):
             raise self._error(exc, key, missing="bucket") from exc
 
     def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
-        writer = _ScatterWriter(outs)
-        total = sum(len(v) for v in writer._outs)
+        views = target_views(outs)
         if start < 0:
             raise CorruptCheckpointError(f"negative offset {start} asked of {self.url(key)}")
-        if total == 0:
-            return
-        try:
-            self._blob(key).download_to_file(
-                writer,
-                start=start,
-                end=start + total - 1,
-                raw_download=True,  # the stored bytes, never decompressed
-                checksum=None,  # a range has no server checksum; the engine verifies blocks
-                retry=None,
-                timeout=self.request_timeout,
-            )
-        except _Overflow:
-            raise StoreError(
-                f"GCS sent more than the {total} bytes asked of {self.url(key)} at offset {start} "
-                "(the endpoint ignored the Range header)"
-            ) from None
-        except Exception as exc:
-            raise self._error(exc, key) from exc
-        if writer.written < total:
-            self._short_read(key, start, total, writer.written)
-
-    def _short_read(self, key: str, start: int, total: int, got: int) -> None:
-        try:
-            size = self.head(key).size
-        except TransientStoreError:
-            size = None
-        if size is not None and start + total > size:
-            raise CorruptCheckpointError(
-                f"{self.url(key)} has {size} bytes; bytes {start}..{start + total} were asked for "
-                "(the object is truncated or does not belong to this checkpoint)"
-            )
-        raise TransientStoreError(
-            f"short read of {self.url(key)}: {got} of {total} bytes at offset {start} arrived; retry"
-        )
+        if views:
+            read_media_range(self, key, start, views)
 
     def get(self, key: str) -> bytes:
         try:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import base64
-import http.client
 import os
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, TransientStoreError
+from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..clients import shared_client
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
 from ..payload import out_view as _out_view
 from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from ..rawbody import read_ranged_body
 from .botoclient import make_botocore_client
 from .config import S3Config, _require
 from .copy import copy_object
@@ -30,10 +29,6 @@ S3_PART_LIMITS = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_pa
 
 #: Most keys one DeleteObjects request may name.
 _DELETE_BATCH = 1000
-#: Bytes read per call when a body has to be read through urllib3 (it copies).
-_COPY_CHUNK = 1 * MiB
-
-_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 def _body(data: Payload) -> tuple[Any, list[memoryview]]:
@@ -242,79 +237,21 @@ class S3Store:
             )
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
-        raw = response["Body"]._raw_stream
-        complete = False
         try:
-            skip = self._check_range(key, response, start, total)
-            self._fill(raw, key, skip, views)
-            complete = self._body_done(raw)
+            read_ranged_body(
+                response["Body"]._raw_stream,
+                views,
+                url=self.url(key),
+                service="S3",
+                status=response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+                length=int(response.get("ContentLength", 0)),
+                content_range=response.get("ContentRange"),
+                start=start,
+            )
         except DcpCloudError:
             raise
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
-        finally:
-            if complete:
-                raw.release_conn()  # keep the connection for the next request
-            else:
-                raw.close()  # unread bytes on the wire: drop the connection
-
-    def _check_range(self, key: str, response: dict[str, Any], start: int, total: int) -> int:
-        """Validate the response against the asked range; return leading bytes to discard."""
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        length = int(response.get("ContentLength", 0))
-        content_range = response.get("ContentRange")
-        end = start + total
-        if status == 200 and not content_range:
-            # The server ignored Range and sends the whole object.
-            if length < end:
-                raise CorruptCheckpointError(
-                    f"{self.url(key)} has {length} bytes; bytes {start}..{end} were asked for "
-                    "(the object is truncated or does not belong to this checkpoint)"
-                )
-            return start
-        match = _CONTENT_RANGE_RE.match(content_range or "")
-        if match is None:
-            raise StoreError(f"S3 answered a ranged read of {self.url(key)} without a usable Content-Range")
-        first, size = int(match.group(1)), match.group(3)
-        if size != "*" and int(size) < end:
-            raise CorruptCheckpointError(
-                f"{self.url(key)} has {size} bytes; bytes {start}..{end} were asked for "
-                "(the object is truncated or does not belong to this checkpoint)"
-            )
-        if first != start or length < total:
-            raise StoreError(f"S3 answered a read of bytes {start}..{end} of {self.url(key)} with {content_range!r}")
-        return 0
-
-    def _fill(self, raw: Any, key: str, skip: int, views: list[memoryview]) -> None:
-        fp = getattr(raw, "_fp", None)
-        direct = isinstance(fp, http.client.HTTPResponse) and not raw.headers.get("content-encoding")
-        # http.client reads straight into our buffers; urllib3's readinto copies, so feed it small slices.
-        readinto = fp.readinto if direct else raw.readinto
-        chunk = None if direct else _COPY_CHUNK
-        if skip:
-            scratch = memoryview(bytearray(min(skip, _COPY_CHUNK)))
-            while skip:
-                n = readinto(scratch[: min(skip, len(scratch))])
-                if not n:
-                    raise TransientStoreError(f"the body of {self.url(key)} ended early; retry")
-                skip -= n
-        for view in views:
-            pos, size = 0, len(view)
-            while pos < size:
-                target = view[pos:] if chunk is None else view[pos : pos + chunk]
-                n = readinto(target)
-                if not n:
-                    raise TransientStoreError(
-                        f"the body of {self.url(key)} ended early (connection closed mid-response); retry"
-                    )
-                pos += n
-
-    @staticmethod
-    def _body_done(raw: Any) -> bool:
-        fp = getattr(raw, "_fp", None)
-        if isinstance(fp, http.client.HTTPResponse):
-            return fp.isclosed()
-        return False
 
     def get(self, key: str) -> bytes:
         try:
