@@ -18,6 +18,7 @@ end the whole run at its timeout, naming the hung ranks).
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,40 +42,64 @@ TIMEOUT = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Seen:
+    """What a fault filter knows of a request, the same for S3 and GCS."""
+
+    method: str
+    #: "/" + the object the request is about ("/" where the request line does not say).
+    name: str
+    #: Whether it reads an object's bytes (S3 GET; GCS ``alt=media``), not its metadata.
+    data: bool
+    #: A GCS ``uploadType=multipart`` upload (the name is in the body): the create-only commit.
+    multipart: bool
+
+
+def _seen(request: RequestInfo) -> Seen:
+    path = urllib.parse.unquote(request.path)
+    query = urllib.parse.parse_qs(request.query)
+    if "/storage/v1/b/" in path:  # GCS's JSON API
+        name = path.split("/o/", 1)[1] if "/o/" in path else query.get("name", [""])[0]
+        data = request.method == "GET" and query.get("alt") == ["media"]
+        return Seen(request.method, "/" + name, data, query.get("uploadType") == ["multipart"])
+    parts = path.split("/", 2)  # S3, path style: /bucket/key
+    return Seen(request.method, "/" + (parts[2] if len(parts) > 2 else ""), request.method == "GET", False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     name: str
     op: str  # "save" or "load"
     victim: int
-    #: Which of the victim's requests fail: (method, path) -> bool.
-    faulty: Callable[[str, str], bool]
+    #: Which of the victim's requests fail.
+    faulty: Callable[[Seen], bool]
     #: Keywords of the reader (load cases) or writer (save cases).
     options: tuple[tuple[str, Any], ...] = ()
     #: Load the replicated items only (every rank wants them: shared reads) instead of the sharded one.
     replicated: bool = False
 
 
-def _any(method: str, path: str) -> bool:
+def _any(r: Seen) -> bool:
     return True
 
 
-def _shard_write(method: str, path: str) -> bool:
-    return method in ("PUT", "POST") and ".distcp" in path
+def _shard_write(r: Seen) -> bool:
+    return r.method in ("PUT", "POST") and ".distcp" in r.name
 
 
-def _commit(method: str, path: str) -> bool:
-    return method in ("PUT", "POST") and path.rstrip("/").endswith(".metadata")
+def _commit(r: Seen) -> bool:
+    return r.method in ("PUT", "POST") and (r.name.endswith("/.metadata") or r.multipart)
 
 
-def _base_metadata(method: str, path: str) -> bool:
-    return method == "GET" and path.endswith("/src/.metadata")
+def _base_metadata(r: Seen) -> bool:
+    return r.data and r.name.endswith("/src/.metadata")
 
 
-def _metadata_get(method: str, path: str) -> bool:
-    return method == "GET" and path.endswith("/.metadata")
+def _metadata_get(r: Seen) -> bool:
+    return r.data and r.name.endswith("/.metadata")
 
 
-def _shard_read(method: str, path: str) -> bool:
-    return method == "GET" and ".distcp" in path
+def _shard_read(r: Seen) -> bool:
+    return r.data and ".distcp" in r.name
 
 
 CASES = [
@@ -93,7 +118,7 @@ FAULTS = ("dead", "500")
 
 def _plan(case: Case, fault: str) -> FaultPlan:
     def when(request: RequestInfo) -> bool:
-        return case.faulty(request.method, request.path)
+        return case.faulty(_seen(request))
 
     if fault == "dead":  # accept, read the request, answer nothing for far longer than any timeout here
         return FaultPlan(stall=1.0, stall_seconds=3600.0, phase="request", when=when)

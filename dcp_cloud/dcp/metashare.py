@@ -43,18 +43,33 @@ def sharing_group(process_group: Any, enabled: bool) -> Any | None:
 
 
 def broadcast_bytes(group: Any, fetch: Callable[[], bytes]) -> bytes:
-    """``fetch()`` on the group's rank 0, its result (or its exception) on every rank of ``group``."""
+    """``fetch()`` on the group's rank 0, its result (or its exception) on every rank of ``group``; the
+    other ranks raise the exception as the same type, naming rank 0."""
     payload: list[Any] = [None]
+    source = dist.get_global_rank(group, 0)
     if dist.get_rank(group) == 0:
         try:
             payload[0] = ("ok", fetch())
-        except Exception as exc:  # noqa: BLE001 - carried to every rank, raised there
+        except Exception as exc:
             payload[0] = ("error", _portable(exc))
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast_object_list(payload, src=source, group=group)
+            raise
+    dist.broadcast_object_list(payload, src=source, group=group)
     kind, value = payload[0]
     if kind == "error":
-        raise value
+        raise from_rank(value, source)
     return value
+
+
+def from_rank(error: BaseException, rank: int) -> BaseException:
+    """What a rank raises for ``error``, which rank ``rank`` (global) failed with: the same type, its message
+    naming that rank (``error`` itself where the type takes other arguments)."""
+    try:
+        named = type(error)(f"rank {rank} failed: {error}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments: raise it as it came
+        return error
+    named.__cause__ = error.__cause__
+    return named
 
 
 def portable(exc: BaseException, fallback: Callable[[str], BaseException]) -> BaseException:

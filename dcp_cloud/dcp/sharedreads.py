@@ -51,7 +51,7 @@ from .commit import commit, commit_whole
 from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun
-from .metashare import portable
+from .metashare import from_rank, portable
 
 __all__ = ["Exchange", "SharedReadError"]
 
@@ -315,9 +315,9 @@ class Exchange:
             dist.all_gather_object(statuses, mine, group=self.group)
             if error is not None:
                 raise error
-            for status in statuses:
+            for rank, status in enumerate(statuses):
                 if status is not None:
-                    raise status
+                    raise from_rank(status, dist.get_global_rank(self.group, rank))
             raise SharedReadError("another rank of the load failed")
         return [int(v) for v in values[1:]]
 

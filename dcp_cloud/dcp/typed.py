@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import DcpCloudError
+from .metashare import from_rank
 
 
 def _failure(exc: CheckpointException, rank: int) -> BaseException | None:
@@ -66,12 +67,10 @@ def rank_error(exc: CheckpointException, rank: int | None) -> DcpCloudError | No
     if found is None:
         return None
     failed, error = found
-    if rank is None:
+    if rank is None or str(error).startswith("rank "):  # alone, or it names the rank already
         return error
-    try:
-        return type(error)(f"rank {failed} failed: {error}")
-    except Exception:  # noqa: BLE001 - a type that takes other arguments: raise it as it came
-        return error
+    named = from_rank(error, failed)
+    return named if isinstance(named, DcpCloudError) else error
 
 
 @contextmanager
