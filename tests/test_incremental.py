@@ -74,10 +74,10 @@ def _records(bucket_client: Any, bucket: str, prefix: str) -> dict[str, str]:
 
 @pytest.fixture
 def chain(s3_bucket: str) -> dict[str, Any]:
-    """step-1 full (with hashes), step-2 based on step-1, step-3 based on step-2."""
+    """step-1 full (saved with the defaults), step-2 based on step-1, step-3 based on step-2."""
     root = f"s3://{s3_bucket}/run"
     states = {n: _state(7, n) for n in (1, 2, 3)}
-    dcp.save(states[1], storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(states[1], storage_writer=S3Writer(f"{root}/step-1"))
     dcp.save(states[2], storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
     dcp.save(states[3], storage_writer=S3Writer(f"{root}/step-3", base=f"{root}/step-2"))
     return {"root": root, "states": states}
@@ -87,7 +87,7 @@ def test_only_changed_bytes_are_uploaded(moto_server: Any, s3_bucket: str) -> No
     root = f"s3://{s3_bucket}/run"
     first, second = _state(1, 1), _state(1, 2)
     with FaultProxy(moto_server.endpoint_url) as proxy:
-        dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", endpoint_url=proxy.url, hashes=True))
+        dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", endpoint_url=proxy.url))
         full = proxy.snapshot().request_bytes
         proxy.reset_counters()
         dcp.save(second, storage_writer=S3Writer(f"{root}/step-2", endpoint_url=proxy.url, base=f"{root}/step-1"))
@@ -98,11 +98,97 @@ def test_only_changed_bytes_are_uploaded(moto_server: Any, s3_bucket: str) -> No
     _assert_same(_load(f"{root}/step-2", second), second)
 
 
+TEN = [f"layer{i}.weight" for i in range(10)]
+
+
+def _ten(changed: int | None) -> dict[str, torch.Tensor]:
+    """Ten 4 MiB tensors; with ``changed``, that one differs from the ``None`` state."""
+    out = {name: torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i)) for i, name in enumerate(TEN)}
+    if changed is not None:
+        out[TEN[changed]] = out[TEN[changed]] + 1.0
+    return out
+
+
+def test_a_base_saved_with_defaults_skips_what_is_unchanged(
+    moto_server: Any, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No option on the first save: 1 of 10 tensors changed uploads about 10% of the bytes, no warning."""
+    root = f"s3://{s3_bucket}/defaults"
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        dcp.save(_ten(None), storage_writer=S3Writer(f"{root}/step-1", endpoint_url=proxy.url))
+        full = proxy.snapshot().request_bytes
+        proxy.reset_counters()
+        writer = S3Writer(f"{root}/step-2", endpoint_url=proxy.url, base=f"{root}/step-1")
+        with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+            dcp.save(_ten(3), storage_writer=writer)
+        incremental = proxy.snapshot().request_bytes
+    print(f"full save {full} B, incremental {incremental} B ({incremental / full:.3f})")
+    assert 0.10 * full <= incremental <= 0.15 * full
+    assert writer.stats.bytes_reused == 9 * (4 << 20) + 9 * _framing(f"{root}/step-1")
+    assert writer.stats.base_unchecked_bytes == 0
+    assert not [r for r in caplog.records if "no content hash" in r.getMessage()]
+    _assert_same(_load(f"{root}/step-2", _ten(3)), _ten(3))
+
+
+def _framing(uri: str) -> int:
+    """Bytes of one item's torch.save framing in the checkpoint at ``uri`` (every item of _ten has the same)."""
+    metadata = S3Reader(uri).read_metadata()
+    lengths = {int(info.length) for info in metadata.storage_data.values()}
+    assert len(lengths) == 1
+    return lengths.pop() - (4 << 20)
+
+
+def test_a_base_without_hashes_uploads_everything_with_one_warning(
+    moto_server: Any, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = f"s3://{s3_bucket}/nohash"
+    dcp.save(_ten(None), storage_writer=S3Writer(f"{root}/step-1", hashes=False))
+    writer = S3Writer(f"{root}/step-2", base=f"{root}/step-1")
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
+        dcp.save(_ten(3), storage_writer=writer)
+    warnings = [r.getMessage() for r in caplog.records if "no content hash" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"base={root}/step-1" in warnings[0] and str(10 * (4 << 20)) in warnings[0]
+    assert writer.stats.base_unchecked_bytes == 10 * (4 << 20)
+    assert writer.stats.bytes_reused == 0
+    _assert_same(_load(f"{root}/step-2", _ten(3)), _ten(3))
+    # ... and that save recorded hashes: the next one against it skips the unchanged nine
+    third = S3Writer(f"{root}/step-3", base=f"{root}/step-2")
+    dcp.save(_ten(5), storage_writer=third)
+    assert third.stats.base_unchecked_bytes == 0 and third.stats.bytes_reused >= 8 * (4 << 20)
+    _assert_same(_load(f"{root}/step-3", _ten(5)), _ten(5))
+
+
+def test_a_base_with_hashes_in_its_metadata_still_skips(s3_bucket: str, moto_s3_client: Any) -> None:
+    """Checkpoints of earlier versions kept the hashes in .metadata (and version-1 footers): still a base."""
+    from dcp_cloud.dcp import incremental
+    from dcp_cloud.dcp.contenthash import digest
+    from dcp_cloud.dcp.layout import META_ATTR, dump_metadata, load_metadata
+
+    root = f"s3://{s3_bucket}/legacy"
+    first = _ten(None)
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=False))
+    key = "legacy/step-1/.metadata"
+    metadata = load_metadata(moto_s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read(), key)
+    table: dict[str, list[tuple[int, bytes]]] = {}
+    for index, info in metadata.storage_data.items():
+        table.setdefault(info.relative_path, []).append((int(info.offset), digest(first[index.fqn])))
+    getattr(metadata.storage_meta, META_ATTR)[incremental.HASHES_KEY] = {
+        path: b"".join(d for _, d in sorted(pairs)) for path, pairs in table.items()
+    }
+    moto_s3_client.put_object(Bucket=s3_bucket, Key=key, Body=dump_metadata(metadata))
+    writer = S3Writer(f"{root}/step-2", base=f"{root}/step-1")
+    dcp.save(_ten(3), storage_writer=writer)
+    assert writer.stats.base_unchecked_bytes == 0
+    assert writer.stats.bytes_reused >= 9 * (4 << 20)
+    _assert_same(_load(f"{root}/step-2", _ten(3)), _ten(3))
+
+
 def test_hashes_decide_not_names(s3_bucket: str) -> None:
     """An item whose bytes changed is uploaded even though its fqn, shape and dtype match the base's."""
     root = f"s3://{s3_bucket}/run"
     first = _state(2, 1)
-    dcp.save(first, storage_writer=S3Writer(f"{root}/a", hashes=True))
+    dcp.save(first, storage_writer=S3Writer(f"{root}/a"))
     second = dict(first, **{"base.weight": first["base.weight"].clone()})
     second["base.weight"][512, 3] += 1.0  # one element
     dcp.save(second, storage_writer=S3Writer(f"{root}/b", base=f"{root}/a"))
@@ -174,7 +260,7 @@ def test_stock_filesystem_reader_loads_a_download(
 
 def test_local_writer_chain_loads_with_stock_reader(tmp_path: Path) -> None:
     states = {n: _state(3, n) for n in (1, 2)}
-    dcp.save(states[1], storage_writer=LocalWriter(tmp_path / "step-1", hashes=True))
+    dcp.save(states[1], storage_writer=LocalWriter(tmp_path / "step-1"))
     dcp.save(states[2], storage_writer=LocalWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
     own = sum(f.stat().st_size for f in (tmp_path / "step-2").iterdir())
     assert own < 0.15 * sum(f.stat().st_size for f in (tmp_path / "step-1").iterdir())
@@ -194,7 +280,7 @@ def test_missing_or_uncommitted_base_is_refused_before_saving(s3_bucket: str, mo
 def test_base_in_another_bucket_or_store_is_a_config_error(s3_bucket: str, moto_s3_client: Any) -> None:
     other = s3_bucket[:-2] + "zz"
     moto_s3_client.create_bucket(Bucket=other)
-    dcp.save(_state(1, 1), storage_writer=S3Writer(f"s3://{other}/run/step-1", hashes=True))
+    dcp.save(_state(1, 1), storage_writer=S3Writer(f"s3://{other}/run/step-1"))
     for base in (f"s3://{other}/run/step-1", "gs://bucket/run/step-1", f"s3://{s3_bucket}/run/step-2"):
         with pytest.raises(ConfigError):
             S3Writer(f"s3://{s3_bucket}/run/step-2", base=base)
@@ -207,7 +293,7 @@ def test_failed_incremental_save_leaves_the_base_and_commits_nothing(
 
     root = f"s3://{s3_bucket}/run"
     first = _state(4, 1)
-    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1"))
     before = {o["Key"]: o["ETag"] for o in moto_s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]}
     real = writer_module.CloudWriter._write_item
     calls = []
@@ -259,7 +345,7 @@ def test_killed_incremental_save_leaves_the_base_and_gc_cleans_up(
     root = f"s3://{s3_bucket}/run"
     first = {"frozen": torch.arange(1 << 20, dtype=torch.float32)}
     first.update({f"moving.{i}": torch.full((1 << 20,), float(i)) for i in range(6)})
-    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1"))
     base = _objects(moto_s3_client, s3_bucket, "run/step-1/")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dcp_cloud.__file__).parents[1]), *sys.path]))
     # 1 MB/s per connection: each 5 MiB part takes ~5 s, so the save is mid-upload for seconds.
@@ -301,12 +387,12 @@ def test_overwriting_a_base_keeps_what_its_dependents_reference(
 ) -> None:
     root = f"s3://{s3_bucket}/run"
     first, second, replacement = _state(5, 1), _state(5, 2), _state(6, 1)  # replacement: other frozen values
-    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(first, storage_writer=S3Writer(f"{root}/step-1"))
     old_shards = {k for k in _objects(moto_s3_client, s3_bucket, "run/step-1/") if k.endswith(".distcp")}
     dcp.save(second, storage_writer=S3Writer(f"{root}/step-2", base=f"{root}/step-1"))
     assert _records(moto_s3_client, s3_bucket, "run/step-2")["base.weight"].startswith("../step-1/")
     with caplog.at_level(logging.WARNING, logger="dcp_cloud"):
-        dcp.save(replacement, storage_writer=S3Writer(f"{root}/step-1", hashes=True, overwrite=True))
+        dcp.save(replacement, storage_writer=S3Writer(f"{root}/step-1", overwrite=True))
     assert f"{root}/step-2" in caplog.text and "gc" in caplog.text, caplog.text
     assert old_shards <= set(_objects(moto_s3_client, s3_bucket, "run/step-1/"))
     _assert_same(_load(f"{root}/step-1", replacement), replacement)
@@ -320,9 +406,9 @@ def test_overwriting_a_base_keeps_what_its_dependents_reference(
 
 def test_overwriting_a_local_base_keeps_what_its_dependents_reference(tmp_path: Path) -> None:
     first, second, replacement = _state(8, 1), _state(8, 2), _state(9, 1)
-    dcp.save(first, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True))
+    dcp.save(first, storage_writer=LocalWriter(tmp_path / "step-1"))
     dcp.save(second, storage_writer=LocalWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
-    dcp.save(replacement, storage_writer=LocalWriter(tmp_path / "step-1", hashes=True, overwrite=True))
+    dcp.save(replacement, storage_writer=LocalWriter(tmp_path / "step-1", overwrite=True))
     for reader in (LocalReader(tmp_path / "step-2"), dcp.FileSystemReader(str(tmp_path / "step-2"))):
         _assert_same(_load("", second, reader), second)
     _assert_same(_load("", replacement, LocalReader(tmp_path / "step-1")), replacement)
@@ -341,7 +427,7 @@ def _two_rank_save(rank: int, world: int, root: str) -> dict[str, Any]:
             "step": step,
         }
 
-    dcp.save(state(1), storage_writer=S3Writer(f"{root}/step-1", hashes=True))
+    dcp.save(state(1), storage_writer=S3Writer(f"{root}/step-1"))
     writer = S3Writer(f"{root}/step-2", base=f"{root}/step-1")
     dcp.save(state(2), storage_writer=writer)
     target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}

@@ -48,10 +48,11 @@ class S3Writer(CloudWriter):
     whose fqn, chunk, dtype and content hash (XXH3-128) equal an item of that
     committed checkpoint (same bucket) are not uploaded; the new checkpoint's
     records point at the base's bytes (``../step-1000/...``), and loading it
-    needs only its own URI. ``hashes`` (default: on with ``base``) records
-    every item's hash, so the checkpoint can be a base later: save the first
-    checkpoint of a run with ``hashes=True``; items of a base saved without
-    hashes count as changed. See :mod:`dcp_cloud.dcp.incremental`.
+    needs only its own URI. Every save records each item's hash in its
+    object's index footer (about 1-2% of a save's CPU), so any checkpoint
+    saved with the defaults can be a base; ``hashes=False`` opts out, and
+    items of a base saved so are uploaded, not compared (with one warning).
+    See :mod:`dcp_cloud.dcp.incremental`.
 
     ``spread_prefixes=True`` puts each rank's object under a short hashed
     sub-prefix of the checkpoint (``step-100/7f/__3_<token>.distcp``), so S3
@@ -152,7 +153,8 @@ class GCSWriter(CloudWriter):
     object is never pickled: use ``GCSConfig(credentials_file=...)`` with the
     process-based ``async_save``).
 
-    ``base=`` and ``hashes=`` save incrementally, as for :class:`S3Writer`.
+    ``base=`` saves incrementally and ``hashes=False`` opts out of recording content hashes, as for
+    :class:`S3Writer`.
     """
 
     def __init__(
@@ -229,8 +231,8 @@ class GCSReader(CloudReader):
 class LocalWriter(CloudWriter):
     """Save to a directory (``file:///dir``, or a plain path as stock FileSystemWriter takes) through the engine.
 
-    ``base=`` (a committed checkpoint directory beside this one, in the same parent) and ``hashes=`` save
-    incrementally, as for :class:`S3Writer`.
+    ``base=`` (a committed checkpoint directory beside this one, in the same parent) saves incrementally and
+    ``hashes=False`` opts out of recording content hashes, as for :class:`S3Writer`.
     """
 
     def __init__(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import crc32c
 
@@ -35,6 +36,13 @@ def checksum_block_for(nbytes: int, max_block: int) -> int:
     while block < target and block < max_block:
         block *= 2
     return min(block, max(max_block, _MIN_BLOCK))
+
+
+class Hasher(Protocol):
+    """What the writer's taps feed an item's checked bytes to (:class:`BlockHasher`, or
+    :class:`~dcp_cloud.dcp.contenthash.ItemHasher` for CRCs and the content hash at once)."""
+
+    def update(self, data: memoryview) -> None: ...
 
 
 class BlockHasher:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
-from .checksum import BlockHasher
+from .checksum import Hasher
 
 #: ``compression=`` values the writers accept (None: store items as they are).
 CODECS = ("zstd",)
@@ -77,7 +77,7 @@ class CompressingSink(io.RawIOBase):
     ``hasher`` (block CRC32C of the stored bytes).
     """
 
-    def __init__(self, sink: Any, hasher: BlockHasher | None, level: int) -> None:
+    def __init__(self, sink: Any, hasher: Hasher | None, level: int) -> None:
         super().__init__()
         self._sink = sink
         self._hasher = hasher
@@ -145,7 +145,7 @@ def decode(descs: Sequence[str] | None, data: bytes | bytearray | memoryview, wh
     return out
 
 
-def write_item(sink: Any, data: Any, hasher: BlockHasher | None, level: int) -> None:
+def write_item(sink: Any, data: Any, hasher: Hasher | None, level: int) -> None:
     """Write one item (a ``BytesIO`` or a tensor) zstd-compressed into ``sink``, as stock torch would."""
     from .itemtap import _host_tensor, _plain_and_exact
     from .serialize import save_tensor

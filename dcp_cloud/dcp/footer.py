@@ -10,7 +10,12 @@ reads items by offset and length)::
     entries  count x (item offset u64 | raw offset i64 (-1: bytes item) | checked length u64
                       | block size u32 | CRC count u32), sorted by item offset
     crcs     the big-endian uint32 CRC32C of every block of every item, in entry order
+    digests  (version 2 only) count x 16 bytes: each item's content hash (XXH3-128, see
+             :mod:`.contenthash`), in entry order; 16 zero bytes where an item has none
     trailer  CRC32C of everything above, u32
+
+Version 2 is written when the save records content hashes (the default), so any
+checkpoint can be the base of an incremental save; version 1 without them.
 
 The metadata keeps one ``(offset, length)`` per object
 (:func:`dcp_cloud.dcp.layout.footer_table`), not per item, so a checkpoint's
@@ -38,7 +43,12 @@ from ..transfer.engine import TransferEngine
 from .layout import ItemExtras
 
 MAGIC = b"DCPCKSUM"
+#: The footer versions this reader decodes: 1 (no digests) and 2 (with digests).
 VERSION = 1
+DIGEST_VERSION = 2
+#: Bytes of one item's digest in a version-2 footer (all zero: the item has none).
+DIGEST_BYTES = 16
+_NO_DIGEST = bytes(DIGEST_BYTES)
 _HEADER = struct.Struct(">8sHHI")
 _ENTRY = struct.Struct(">QqQII")
 _TRAILER = struct.Struct(">I")
@@ -52,19 +62,26 @@ class FooterEntry:
 
     offset: int
     extras: ItemExtras
+    #: The item's content hash (None: not recorded).
+    digest: bytes | None = None
 
 
 def encode(entries: list[FooterEntry]) -> bytes:
-    """The footer of an object holding ``entries`` (in any order)."""
+    """The footer of an object holding ``entries`` (in any order): version 2 where an entry has a digest."""
     entries = sorted(entries, key=lambda e: e.offset)
-    parts = [_HEADER.pack(MAGIC, VERSION, 0, len(entries))]
+    digests = any(entry.digest is not None for entry in entries)
+    parts = [_HEADER.pack(MAGIC, DIGEST_VERSION if digests else VERSION, 0, len(entries))]
     for entry in entries:
         x = entry.extras
         if len(x.crcs) % 4:
             raise ValueError(f"CRC list of the item at offset {entry.offset} is not a whole number of CRCs")
+        if entry.digest is not None and len(entry.digest) != DIGEST_BYTES:
+            raise ValueError(f"the digest of the item at offset {entry.offset} is not {DIGEST_BYTES} bytes")
         raw = -1 if x.raw_offset is None else x.raw_offset
         parts.append(_ENTRY.pack(entry.offset, raw, x.checked_length, x.block_size, len(x.crcs) // 4))
     parts.extend(entry.extras.crcs for entry in entries)
+    if digests:
+        parts.extend(entry.digest or _NO_DIGEST for entry in entries)
     body = b"".join(parts)
     return body + _TRAILER.pack(crc32c.crc32c(body))
 
@@ -75,6 +92,16 @@ def decode(data: bytes | memoryview, describe: str) -> dict[int, ItemExtras]:
     Raises CorruptCheckpointError naming ``describe`` (the footer's object and
     byte range) when the bytes are not an intact footer.
     """
+    return _parse(data, describe)[0]
+
+
+def decode_digests(data: bytes | memoryview, describe: str) -> dict[int, bytes]:
+    """The content hashes the footer records, by item offset ({} for a version-1 footer); checked as
+    :func:`decode` checks the footer."""
+    return _parse(data, describe)[1]
+
+
+def _parse(data: bytes | memoryview, describe: str) -> tuple[dict[int, ItemExtras], dict[int, bytes]]:
     view = memoryview(data).cast("B")
 
     def damaged(why: str, kind: type[CorruptCheckpointError] = CorruptCheckpointError) -> CorruptCheckpointError:
@@ -90,21 +117,31 @@ def decode(data: bytes | memoryview, describe: str) -> dict[int, ItemExtras]:
     if crc32c.crc32c(body) != stored:
         raise damaged("its own CRC32C does not match", ChecksumMismatchError)
     magic, version, _, count = _HEADER.unpack_from(body, 0)
-    if magic != MAGIC or version != VERSION:
-        raise damaged(f"not a version-{VERSION} dcp_cloud footer")
+    if magic != MAGIC or version not in (VERSION, DIGEST_VERSION):
+        raise damaged(f"not a version-{VERSION} or -{DIGEST_VERSION} dcp_cloud footer")
     crc_at = _HEADER.size + count * _ENTRY.size
-    if crc_at > len(body):
+    digest_bytes = count * DIGEST_BYTES if version == DIGEST_VERSION else 0
+    if crc_at + digest_bytes > len(body):
         raise damaged(f"{count} entries do not fit in {len(body)} bytes")
     out: dict[int, ItemExtras] = {}
-    blob = bytes(body[crc_at:])
+    blob = bytes(body[crc_at : len(body) - digest_bytes])
     pos = 0
+    offsets = []
     for offset, raw, checked, block, n in _ENTRY.iter_unpack(body[_HEADER.size : crc_at]):
         crcs = blob[pos : pos + 4 * n]
         pos += 4 * n
         out[offset] = ItemExtras(None if raw < 0 else raw, checked, block, crcs)
+        offsets.append(offset)
     if pos != len(blob):
         raise damaged(f"its entries name {pos} bytes of CRCs, it holds {len(blob)}")
-    return out
+    digests: dict[int, bytes] = {}
+    if digest_bytes:
+        at = len(body) - digest_bytes
+        for i, offset in enumerate(offsets):
+            value = bytes(body[at + DIGEST_BYTES * i : at + DIGEST_BYTES * (i + 1)])
+            if value != _NO_DIGEST:
+                digests[offset] = value
+    return out, digests
 
 
 def place_of(value: Any, describe: str) -> tuple[int, int]:
@@ -119,10 +156,18 @@ def fetch_all(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dic
     return dict(fetch_each(engine, wanted))
 
 
-def fetch_async(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dict[str, Future[dict[int, ItemExtras]]]:
+def fetch_digests(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> dict[str, dict[int, bytes]]:
+    """The content hashes the footers of objects ``key -> (url, place)`` record (by item offset), read in
+    parallel and checked as :func:`fetch_all` checks them."""
+    return dict(fetch_each(engine, wanted, decode_digests))
+
+
+def fetch_async(
+    engine: TransferEngine, wanted: dict[str, tuple[str, Any]], decoder: Callable[..., Any] = decode
+) -> dict[str, Future[Any]]:
     """``key -> future of the footer`` of objects ``key -> (url, place)``: every GET is sent at once and the
-    worker that reads a footer decodes it. Reads sent after these may wait for them in their workers
-    (the pool takes work in order, so a footer is never queued behind a read that waits for it)."""
+    worker that reads a footer decodes it (with ``decoder``). Reads sent after these may wait for them in
+    their workers (the pool takes work in order, so a footer is never queued behind a read that waits for it)."""
     recorder = engine.recorder
 
     def counted(nbytes: int) -> None:
@@ -130,20 +175,20 @@ def fetch_async(engine: TransferEngine, wanted: dict[str, tuple[str, Any]]) -> d
         recorder.add_index_read(nbytes)
 
     return {
-        key: engine.submit(_read, engine.store, key, url, place, counted, recorder.on_retry)
+        key: engine.submit(_read, engine.store, key, url, place, counted, recorder.on_retry, decoder)
         for key, (url, place) in wanted.items()
     }
 
 
 def fetch_each(
-    engine: TransferEngine, wanted: dict[str, tuple[str, Any]]
-) -> Iterator[tuple[str, dict[int, ItemExtras]]]:
+    engine: TransferEngine, wanted: dict[str, tuple[str, Any]], decoder: Callable[..., Any] = decode
+) -> Iterator[tuple[str, Any]]:
     """``(key, footer)`` of objects ``key -> (url, place)`` as each arrives: every GET is sent at once, and a
     caller can start reading an object while the footers of the others are still on their way.
 
     After a failed read nothing more is yielded; the first failure is raised once every read has ended.
     """
-    futures = {future: key for key, future in fetch_async(engine, wanted).items()}
+    futures = {future: key for key, future in fetch_async(engine, wanted, decoder).items()}
     failure: BaseException | None = None
     for future in as_completed(futures):
         try:
@@ -223,7 +268,8 @@ def _read(
     place: Any,
     on_read: Callable[[int], None] | None = None,
     on_retry: Callable[[str, BaseException], None] | None = None,
-) -> dict[int, ItemExtras]:
+    decoder: Callable[..., Any] = decode,
+) -> Any:
     """Read and decode the footer of ``key`` at ``place``; one that does not match its own CRC is read once
     more (it may have been damaged on the way, not at rest) before it is called damaged."""
     start, length = place_of(place, url)
@@ -234,7 +280,7 @@ def _read(
         raise _missing(exc, url, start, length) from exc
     if on_read is not None:
         on_read(length)
-    return _decode_or_reread(store, key, url, start, buf, on_retry)
+    return _decode_or_reread(store, key, url, start, buf, on_retry, decoder)
 
 
 def _decode_or_reread(
@@ -244,18 +290,19 @@ def _decode_or_reread(
     start: int,
     buf: bytearray,
     on_retry: Callable[[str, BaseException], None] | None = None,
-) -> dict[int, ItemExtras]:
+    decoder: Callable[..., Any] = decode,
+) -> Any:
     """Decode the footer bytes ``buf`` read from ``start`` of ``key``; on a mismatch with its own CRC, read it
     once more, alone."""
     describe = f"of {url} (bytes {start}..{start + len(buf)})"
     try:
-        return decode(buf, describe)
+        return decoder(buf, describe)
     except CorruptCheckpointError as exc:
         log.warning("the checksum footer %s does not match its own checksum; reading it once more", describe)
         if on_retry is not None:
             on_retry("read", exc)
         store.read_into(key, start, [memoryview(buf)])
-        return decode(buf, describe)
+        return decoder(buf, describe)
 
 
 def _missing(exc: BaseException, url: str, start: int, length: int) -> CorruptCheckpointError:

@@ -6,27 +6,38 @@ records name the base's bytes (``../step-1000/__0_<token>.distcp``, offset,
 length), exactly as stock torch's ``FileSystemReader`` resolves relative paths
 on a filesystem, so a downloaded run directory loads with plain torch.
 
+Every save records each item's content hash (:mod:`.contenthash`, XXH3-128 of
+the raw bytes) in the index footer of the object that holds it
+(:mod:`.footer`, version 2), so any checkpoint saved with the defaults can be
+a base. ``hashes=False`` opts out (version-1 footers, no hashing).
+
 How one save goes:
 
-1. every rank checks, in the writer's constructor (before any collective),
-   that the base is in the same bucket and committed;
+1. every rank checks that the base is in the same bucket and committed (in the
+   writer's constructor; in a process group the first step of the save raises
+   what it found);
 2. the coordinator reads the base's ``.metadata`` once
    (``prepare_global_plan``) and ships to each rank, in its plan's
    ``storage_data``, a :class:`BaseRef` for each of its items whose fqn, chunk
-   offsets and sizes and dtype match a base item that has a recorded hash.
-   A base item that is itself a reference is resolved to the object it names,
-   so records never chain: a load reads each item from where its bytes are;
-3. each rank hashes each item (:mod:`.contenthash`, XXH3-128 of the raw bytes)
-   and uploads only those whose hash differs from their ``BaseRef``'s;
+   offsets and sizes and dtype match a base item: where the base keeps its
+   bytes and that object's footer. A base item that is itself a reference is
+   resolved to the object it names, so records never chain: a load reads each
+   item from where its bytes are;
+3. each rank reads the footers of the base objects its references name (one
+   ranged GET each, in parallel, in ``write_data``) for their hashes, hashes
+   each of those items, and uploads only those whose hash differs. An item
+   whose base records no hash (a checkpoint saved with ``hashes=False``, or by
+   an older dcp_cloud without ``base=``) is uploaded; the coordinator logs one
+   warning with the count and bytes, and :class:`~dcp_cloud.TransferStats`
+   says it too (``base_unchecked_bytes``);
 4. the coordinator commits: references' objects join the footer table (the
-   base's footer places), and every item's hash is recorded, so the new
-   checkpoint can be a base in turn.
+   base's footer places), so their checksums and hashes are found as the
+   base's are.
 
-Hashes live in the metadata's ``StorageMeta`` extra (``"hashes"``, beside the
-footer table): per object path, the 16-byte digests of the records naming
-that object, in order of their offsets -- 16 bytes per item plus one key per
-object. Stock torch ignores the attribute. A base saved without hashes (an
-older checkpoint, or ``hashes=False``) has every item counted as changed.
+Checkpoints written by earlier versions kept the hashes in the metadata's
+``StorageMeta`` extra (``"hashes"``: per object path, the 16-byte digests of
+the records naming it, in order of their offsets); such a base is read that
+way.
 """
 
 from __future__ import annotations
@@ -49,8 +60,6 @@ from .layout import META_ATTR, METADATA_NAME, footer_table, load_metadata, stora
 
 log = logging.getLogger("dcp_cloud")
 
-#: Attribute on a write result carrying its item's digest to ``finish`` (removed before the metadata is written).
-DIGEST_RESULT_ATTR = "_dcp_cloud_digest"
 #: Key of the hash table in the metadata's ``StorageMeta`` extra.
 HASHES_KEY = "hashes"
 
@@ -62,9 +71,12 @@ class BaseRef:
     relative_path: str
     offset: int
     length: int
-    digest: bytes
+    #: The item's content hash (None: not known yet; it is in the footer at ``footer``, if recorded).
+    digest: bytes | None
     #: torch's transform descriptors of the stored item (compressed items), copied to the reference.
     transforms: Any = None
+    #: ``(offset, length)`` of the index footer of the object holding the item.
+    footer: tuple[int, int] | None = None
 
 
 def parse_base(target: CheckpointURI, base: str | Any, schemes: tuple[str, ...]) -> CheckpointURI:
@@ -108,16 +120,6 @@ def hash_table(metadata: Metadata) -> dict[str, bytes]:
     return table if isinstance(table, dict) else {}
 
 
-def record_digests(metadata: Metadata, digests: dict[tuple[str, int], bytes]) -> None:
-    """Record ``(relative_path, offset) -> digest`` of every item in the metadata's extra (after the footer
-    table is set)."""
-    by_path: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
-    for (path, offset), value in digests.items():
-        by_path[path].append((offset, value))
-    table = {path: b"".join(d for _, d in sorted(pairs)) for path, pairs in by_path.items()}
-    getattr(metadata.storage_meta, META_ATTR)[HASHES_KEY] = table
-
-
 def _digests_by_record(metadata: Metadata) -> dict[tuple[str, int], bytes]:
     table = hash_table(metadata)
     if not table:
@@ -150,27 +152,28 @@ class BaseIndex:
 
 
 def read_base(store: Any, base: CheckpointURI, target: CheckpointURI) -> BaseIndex:
-    """Read the base's metadata (one GET) and index its hashed items by what the new save's items are named."""
+    """Read the base's metadata (one GET) and index its items by what the new save's items are named."""
     key = base.key(METADATA_NAME)
     try:
         body = store.get(key)
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"base={base} lost its {METADATA_NAME} while this save ran") from exc
     metadata = load_metadata(body, store.url(key))
-    digests = _digests_by_record(metadata)
+    digests = _digests_by_record(metadata)  # checkpoints of earlier versions: hashes in the metadata
     base_footers = footer_table(metadata) or {}
     items: dict[MetadataIndex, tuple[WriteItemType, Any, Any, BaseRef]] = {}
     footers: dict[str, tuple[int, int]] = {}
     chunks = _chunk_sizes(metadata)
     for index, info in metadata.storage_data.items():
-        found = digests.get((info.relative_path, int(info.offset)))
         place = base_footers.get(info.relative_path)
-        if found is None or place is None:
+        if place is None:  # written by stock torch: no footer, no hash
             continue
         # Resolve chains: the key the base's record names, as a path relative to the new checkpoint.
         relative = posixpath.relpath(join_key(base.prefix, info.relative_path), target.prefix)
-        ref = BaseRef(relative, int(info.offset), int(info.length), found, transform_descriptors(info))
-        footers[relative] = tuple(place)  # type: ignore[assignment]
+        found = digests.get((info.relative_path, int(info.offset)))
+        footer = (int(place[0]), int(place[1]))
+        ref = BaseRef(relative, int(info.offset), int(info.length), found, transform_descriptors(info), footer)
+        footers[relative] = footer
         if index.offset is None:
             items[index] = (WriteItemType.BYTE_IO, None, None, ref)
         else:
@@ -213,6 +216,66 @@ def _same_shape(item: WriteItem, found: tuple[WriteItemType, Any, Any, BaseRef])
 
 # -- ranks: hashing and reference records ---------------------------------------------------------
 
+#: Attribute on a write result carrying, to ``finish``, the bytes of an item uploaded because its base
+#: records no hash (removed before the metadata is written).
+UNCHECKED_RESULT_ATTR = "_dcp_cloud_unchecked"
+
+
+def with_digests(engine: Any, target: CheckpointURI, refs: dict[Any, BaseRef]) -> dict[Any, BaseRef]:
+    """``refs`` with the hashes their base objects' footers record (one ranged GET per object, in parallel);
+    a reference whose footer records none keeps ``digest=None``."""
+    from .footer import fetch_digests
+
+    wanted = {}
+    for ref in refs.values():
+        if ref.digest is None and ref.footer is not None:
+            key = target.key(ref.relative_path)
+            wanted[key] = (engine.store.url(key), ref.footer)
+    if not wanted:
+        return refs
+    found = fetch_digests(engine, wanted)
+    out = {}
+    for index, ref in refs.items():
+        if ref.digest is None and ref.footer is not None:
+            digest = found.get(target.key(ref.relative_path), {}).get(ref.offset)
+            ref = dataclasses.replace(ref, digest=digest)
+        out[index] = ref
+    return out
+
+
+@dataclass
+class Sorted:
+    """A rank's items against the base: what is unchanged, and what the comparison already hashed."""
+
+    #: Write results of the unchanged items (references to the base's bytes).
+    unchanged: list[Any]
+    #: item index -> (its data, its digest) of the items compared and found changed.
+    hashed: dict[Any, tuple[Any, bytes]]
+    #: item indexes uploaded because the base records no hash for them, with their bytes.
+    unchecked: dict[Any, int]
+
+
+def sort_out(items: Iterable[WriteItem], refs: dict[Any, BaseRef], resolve: Any, nbytes: Any) -> Sorted:
+    """Hash each item that has a base reference with a hash (``resolve(item)``: its data) and keep it as a
+    reference where the hashes match."""
+    from .contenthash import digest as content_digest
+
+    out = Sorted([], {}, {})
+    for item in items:
+        ref = refs.get(item.index)
+        if ref is None:
+            continue
+        if ref.digest is None:
+            out.unchecked[item.index] = nbytes(item)
+            continue
+        data = resolve(item)
+        value = content_digest(data)
+        if value == ref.digest:
+            out.unchanged.append(reference_result(item, ref))
+        else:
+            out.hashed[item.index] = (data, value)
+    return out
+
 
 def reference_result(item: WriteItem, ref: BaseRef) -> Any:
     """The write result of an unchanged item: a record naming the base's bytes."""
@@ -221,34 +284,23 @@ def reference_result(item: WriteItem, ref: BaseRef) -> Any:
     info = storage_info(ref.relative_path, ref.offset, ref.length)
     if ref.transforms:
         info.transform_descriptors = ref.transforms
-    setattr(info, DIGEST_RESULT_ATTR, ref.digest)
     return WriteResult(index=item.index, size_in_bytes=0, storage_data=info)
 
 
-def tag(result: Any, digest: bytes | None) -> Any:
-    """Attach an item's digest to its write result (for :func:`collect`)."""
-    if digest is not None:
-        setattr(result.storage_data, DIGEST_RESULT_ATTR, digest)
-    return result
-
-
-def collect(results: list[list[Any]], base_footers: dict[str, tuple[int, int]]) -> tuple[dict, dict]:
-    """On the coordinator: the digests of every result (removed from the records), and the footer places of
-    the base objects the results reference."""
-    digests: dict[tuple[str, int], bytes] = {}
+def collect(results: list[list[Any]], base_footers: dict[str, tuple[int, int]]) -> tuple[dict, int, int]:
+    """On the coordinator: the footer places of the base objects the results reference, the bytes of the
+    items that reference the base, and the bytes uploaded because the base records no hash for them (the
+    marks are removed from the records)."""
     footers: dict[str, tuple[int, int]] = {}
-    missing = False
+    reused = unchecked = 0
     for rank_results in results:
         for wr in rank_results:
             info = wr.storage_data
-            value = info.__dict__.pop(DIGEST_RESULT_ATTR, None)
-            if value is None:
-                missing = True
-            else:
-                digests[(info.relative_path, int(info.offset))] = value
+            unchecked += info.__dict__.pop(UNCHECKED_RESULT_ATTR, 0)
             if info.relative_path.startswith("../"):
                 footers[info.relative_path] = base_footers[info.relative_path]
-    return ({} if missing else digests), footers
+                reused += int(info.length)
+    return footers, reused, unchecked
 
 
 # -- dependents: committed checkpoints that reference another one's objects ------------------------

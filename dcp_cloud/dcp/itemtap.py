@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
-from .checksum import BlockHasher
+from .checksum import Hasher
 from .tensorbytes import tensor_bytes
 
 
@@ -41,7 +41,7 @@ class _ItemTap(io.RawIOBase):
         self,
         sink: ObjectWriter,
         tensor: torch.Tensor | None,
-        hasher: BlockHasher | None,
+        hasher: Hasher | None,
         *,
         owner: Any = None,
         capture: bool = False,
@@ -112,7 +112,7 @@ class _ItemTap(io.RawIOBase):
 
 
 def _write_framed(
-    sink: ObjectWriter, tensor: torch.Tensor, frame: tuple[bytes, bytes], hasher: BlockHasher | None, owner: Any
+    sink: ObjectWriter, tensor: torch.Tensor, frame: tuple[bytes, bytes], hasher: Hasher | None, owner: Any
 ) -> int:
     """Write ``tensor`` as torch.save would, from learned framing (see :mod:`.framing`); returns the raw offset."""
     header, trailer = frame

@@ -37,7 +37,8 @@ from . import compression as _compression
 from . import framing, incremental
 from .backend import Backend
 from .base import CloudBase, log
-from .checksum import BlockHasher, checksum_block_for
+from .checksum import checksum_block_for
+from .contenthash import ItemHasher
 from .contenthash import digest as content_digest
 from .footer import FooterEntry
 from .footer import encode as encode_footer
@@ -116,8 +117,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         #: The committed checkpoint whose unchanged items this save references instead of uploading.
         self.base = None if base is None else str(base)
-        #: Record each item's content hash (so this checkpoint can be a base); on by default with ``base``.
-        self.hashes = (base is not None) if hashes is None else bool(hashes)
+        #: Record each item's content hash in its object's footer, so this checkpoint can be a base.
+        self.hashes = True if hashes is None else bool(hashes)
         self._base_footers: dict[str, tuple[int, int]] = {}
         self.overwrite = overwrite
         self.checksums = checksums
@@ -275,50 +276,18 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
-        # Hashed items: each is hashed from memory first, then uploaded only if it differs from its base item.
-        refs = shard.refs or {}
-        resolved: dict[Any, tuple[Any, bytes | None]] = {}
-        unchanged: list[WriteResult] = []
-        if self.hashes:
-            for item in items:
-                data = planner.resolve_data(item)
-                digest = content_digest(data)
-                ref = refs.get(item.index)
-                if ref is not None and ref.digest == digest:
-                    unchanged.append(incremental.reference_result(item, ref))
-                else:
-                    resolved[item.index] = (data, digest)
-            items = [it for it in items if it.index in resolved]
-        # torch.save's storage alignment, read once per save (a process setting that framing depends on)
-        self._alignment = framing.storage_alignment() if items else 0
-        if items:
-            sizes = [_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
-            count = stripe_count(sum(sizes), self.transfer.part_size, self.transfer.max_objects_per_rank)
-            runs = split_runs(sizes, count)
-            with self._engine() as engine, Committer(len(runs)) as committer:
-                for index, run in enumerate(runs):
-                    name = stripe_name(shard.name, index)
-                    key = self.uri.key(name)
-                    stream = committer.track(open_writer(engine, key, sum(sizes[i] for i in run)))
-                    first = len(results)
-                    entries: list[FooterEntry] = []
-                    for i in run:
-                        item = items[i]
-                        data, digest = resolved.pop(item.index, (None, None))
-                        result, entry = self._write_item(stream, name, item, planner, data)
-                        results.append(incremental.tag(result, digest))
-                        entries.append(entry)
-                    # The index footer after the object's last item; its place travels to finish() on the
-                    # object's first result.
-                    footer = encode_footer(entries)
-                    setattr(results[first].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
-                    stream.write(footer)
-                    committer.commit(stream)
-                committer.wait()
-                peak = engine.budget.peak
-        else:
-            peak = 0
-        results.extend(unchanged)
+        with self._engine() as engine:
+            # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
+            refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
+            base = incremental.sort_out(items, refs, planner.resolve_data, _item_nbytes)
+            done = {wr.index for wr in base.unchanged}
+            items = [it for it in items if it.index not in done]
+            # torch.save's storage alignment, read once per save (a process setting that framing depends on)
+            self._alignment = framing.storage_alignment() if items else 0
+            peak = self._write_items(engine, shard, items, planner, base, results) if items else 0
+        results.extend(base.unchanged)
+        self._recorder.add_reused(sum(int(wr.storage_data.length) for wr in base.unchanged))
+        self._recorder.add_unchecked(sum(base.unchecked.values()))
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
         written = sum(r.size_in_bytes for r in results)
@@ -327,26 +296,75 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
+    def _write_items(
+        self,
+        engine: Any,
+        shard: _ShardPlan,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        base: incremental.Sorted,
+        results: list[WriteResult],
+    ) -> int:
+        """Stream ``items`` into this rank's objects, each with its index footer; returns the peak of the budget."""
+        sizes = [_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
+        count = stripe_count(sum(sizes), self.transfer.part_size, self.transfer.max_objects_per_rank)
+        runs = split_runs(sizes, count)
+        with Committer(len(runs)) as committer:
+            for index, run in enumerate(runs):
+                name = stripe_name(shard.name, index)
+                key = self.uri.key(name)
+                stream = committer.track(open_writer(engine, key, sum(sizes[i] for i in run)))
+                first = len(results)
+                entries: list[FooterEntry] = []
+                for i in run:
+                    item = items[i]
+                    data, digest = base.hashed.pop(item.index, (None, None))
+                    result, entry = self._write_item(stream, name, item, planner, data, digest)
+                    unchecked = base.unchecked.get(item.index)
+                    if unchecked is not None:
+                        setattr(result.storage_data, incremental.UNCHECKED_RESULT_ATTR, unchecked)
+                    results.append(result)
+                    entries.append(entry)
+                # The index footer after the object's last item; its place travels to finish() on the
+                # object's first result.
+                footer = encode_footer(entries)
+                setattr(results[first].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
+                stream.write(footer)
+                committer.commit(stream)
+            committer.wait()
+        return engine.budget.peak
+
     def _write_item(
-        self, stream: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, data: Any = None
+        self,
+        stream: ObjectWriter,
+        name: str,
+        item: WriteItem,
+        planner: SavePlanner,
+        data: Any = None,
+        digest: bytes | None = None,
     ) -> tuple[WriteResult, FooterEntry]:
+        """Write one item; its block CRCs, and (recording hashes) its content hash unless ``digest`` is it
+        already, are computed in the same pass over its bytes."""
         block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
-        hasher = BlockHasher(block) if block else None
         data = planner.resolve_data(item) if data is None else data
-        if self.compression is not None:
+        if self.compression is not None:  # the hash is of the bytes before compression
+            if digest is None and self.hashes:
+                digest = content_digest(data)
+            hasher = ItemHasher(block, content=False)
             start = stream.tell()
             _compression.write_item(stream, data, hasher, self.compression_level)
             length = stream.tell() - start
-            extras = ItemExtras(None, length, block, hasher.digest() if hasher is not None else b"")
+            extras = ItemExtras(None, length, block, hasher.crcs())
             info = storage_info(name, start, length)
             info.transform_descriptors = _compression.descriptors(self.compression)
-            return WriteResult(index=item.index, size_in_bytes=length, storage_data=info), FooterEntry(start, extras)
+            result = WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+            return result, FooterEntry(start, extras, digest)
+        hasher = ItemHasher(block, content=digest is None and self.hashes)
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO)
             tap = _ItemTap(stream, None, None)
             payload = data.getbuffer()
-            if hasher is not None:
-                hasher.update(payload.cast("B"))
+            hasher.update(payload.cast("B"))
             tap.write(payload)
             tap.finish()
             raw_offset, checked = None, len(payload)
@@ -356,13 +374,11 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             start = stream.tell()
             raw_offset, checked = self._write_tensor(stream, data, hasher, item)
         length = stream.tell() - start
-        extras = ItemExtras(raw_offset, checked, block, hasher.digest() if hasher is not None else b"")
+        extras = ItemExtras(raw_offset, checked, block, hasher.crcs())
         result = WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, start, length))
-        return result, FooterEntry(start, extras)
+        return result, FooterEntry(start, extras, digest if digest is not None else hasher.content_digest())
 
-    def _write_tensor(
-        self, stream: ObjectWriter, data: Any, hasher: BlockHasher | None, item: WriteItem
-    ) -> tuple[int, int]:
+    def _write_tensor(self, stream: ObjectWriter, data: Any, hasher: ItemHasher, item: WriteItem) -> tuple[int, int]:
         """torch.save ``data`` into the stream; returns the offset of its raw bytes in what was written, and
         their length."""
         layout = framing.layout_of(data, self._alignment) if self._alignment else None
@@ -411,10 +427,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                     footers[info.relative_path] = place
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        digests, referenced = incremental.collect(results, self._base_footers)
+        referenced, reused, unchecked = incremental.collect(results, self._base_footers)
         set_footer_table(metadata, {**footers, **referenced})
-        if self.hashes and digests:
-            incremental.record_digests(metadata, digests)
         share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
         metadata.version = DCP_VERSION
         body = dump_metadata(metadata)
@@ -435,13 +449,22 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         total += sum(length for _, length in footers.values())
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=self._last_stats.peak_buffer_bytes)
+        if unchecked:
+            log.warning(
+                "base=%s records no content hash for %d bytes of this save's items (saved with hashes=False, or "
+                "by an older dcp_cloud): they were uploaded, not compared. Checkpoints saved with the defaults "
+                "record hashes; a later save against this one skips what is unchanged",
+                self.base,
+                unchecked,
+            )
         log.info(
-            "committed checkpoint %s: %d bytes from %d rank(s) in %.2fs (%.1f MB/s)",
+            "committed checkpoint %s: %d bytes from %d rank(s) in %.2fs (%.1f MB/s)%s",
             self.checkpoint_id,
             total,
             len(results),
             seconds,
             total / 1e6 / seconds if seconds > 0 else 0.0,
+            f"; {reused} bytes reused from base={self.base}, {unchecked} not comparable" if self.base else "",
         )
 
     def _committed_by_us(self, key: str) -> bool:

@@ -22,6 +22,12 @@ class TransferStats:
     peak_buffer_bytes: int = 0
     #: Of ``bytes_read``, the bytes of shard objects' index footers (raw offsets and checksums).
     index_bytes_read: int = 0
+    #: Incremental saves (``base=``): bytes of this process's items found unchanged and stored as references
+    #: to the base's bytes, not uploaded.
+    bytes_reused: int = 0
+    #: Incremental saves: bytes of this process's items uploaded without a comparison because the base
+    #: records no content hash for them (saved with ``hashes=False``, or by an older version).
+    base_unchecked_bytes: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -45,6 +51,8 @@ class StatsRecorder:
             self._written = 0
             self._read = 0
             self._index_read = 0
+            self._reused = 0
+            self._unchecked = 0
             self._requests: Counter[str] = Counter()
             self._retries = 0
             self._start = time.perf_counter()
@@ -76,6 +84,16 @@ class StatsRecorder:
         with self._lock:
             self._index_read += n
 
+    def add_reused(self, n: int) -> None:
+        """``n`` bytes were not uploaded: the base holds them (an incremental save)."""
+        with self._lock:
+            self._reused += n
+
+    def add_unchecked(self, n: int) -> None:
+        """``n`` bytes were uploaded because the base records no hash to compare them with."""
+        with self._lock:
+            self._unchecked += n
+
     def stop_clock(self) -> None:
         with self._lock:
             self._seconds = time.perf_counter() - self._start
@@ -90,4 +108,6 @@ class StatsRecorder:
                 seconds=self._seconds,
                 peak_buffer_bytes=peak_buffer_bytes,
                 index_bytes_read=self._index_read,
+                bytes_reused=self._reused,
+                base_unchecked_bytes=self._unchecked,
             )
