@@ -78,7 +78,7 @@ class S3Writer(CloudWriter):
         compression: str | None = None,
         compression_level: int = 3,
         base: str | os.PathLike[str] | None = None,
-        hashes: bool | None = None,
+        hashes: bool = True,
         spread_prefixes: bool = False,
     ) -> None:
         super().__init__(
@@ -173,7 +173,7 @@ class GCSWriter(CloudWriter):
         compression: str | None = None,
         compression_level: int = 3,
         base: str | os.PathLike[str] | None = None,
-        hashes: bool | None = None,
+        hashes: bool = True,
         spread_prefixes: bool = False,
     ) -> None:
         super().__init__(
@@ -247,7 +247,7 @@ class LocalWriter(CloudWriter):
         compression: str | None = None,
         compression_level: int = 3,
         base: str | os.PathLike[str] | None = None,
-        hashes: bool | None = None,
+        hashes: bool = True,
         spread_prefixes: bool = False,
     ) -> None:
         super().__init__(

@@ -110,7 +110,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         compression: str | None = None,
         compression_level: int = 3,
         base: str | os.PathLike[str] | None = None,
-        hashes: bool | None = None,
+        hashes: bool = True,
         spread_prefixes: bool = False,
     ) -> None:
         _compression.validate(compression, compression_level)
@@ -118,7 +118,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         #: The committed checkpoint whose unchanged items this save references instead of uploading.
         self.base = None if base is None else str(base)
         #: Record each item's content hash in its object's footer, so this checkpoint can be a base.
-        self.hashes = True if hashes is None else bool(hashes)
+        self.hashes = True if hashes is None else bool(hashes)  # None: the default (older callers)
         self._base_footers: dict[str, tuple[int, int]] = {}
         self.overwrite = overwrite
         self.checksums = checksums
