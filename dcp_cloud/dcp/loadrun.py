@@ -229,7 +229,7 @@ class LoadRun:
         item.shape, item.dtype = shape, dtype
         item.sink = sink
         item.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
-        elem = torch._utils._element_size(dtype)
+        elem = dtype.itemsize
         nbytes = elem
         for n in shape:
             nbytes *= n

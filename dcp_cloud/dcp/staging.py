@@ -41,12 +41,15 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .torchprivate import dtensor_like, is_sharded_tensor
 
 log = logging.getLogger("dcp_cloud")
 
 MiB = 1024 * 1024
 #: Alignment of every tensor inside a slab (any dtype, and cache-line friendly).
 _ALIGN = 64
+#: cudaHostRegisterPortable: the pinned pages count as pinned in every CUDA context.
+_HOST_REGISTER_PORTABLE = 1
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,22 @@ def _aligned(n: int) -> int:
 
 
 def _pin(slab: torch.Tensor) -> None:
-    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two)."""
-    from torch.cuda import _pin_memory_utils
+    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two).
 
+    Through the CUDA runtime that ``torch.cuda.cudart()`` exposes, as torch's own private
+    ``_pin_memory_utils`` (2.7+) does it: public, and present on every torch the package supports.
+    """
     ptr = slab.data_ptr()
-    _pin_memory_utils.pin_memory(ptr, slab.numel())
-    weakref.finalize(slab, _pin_memory_utils.unpin_memory, ptr)
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, slab.numel(), _HOST_REGISTER_PORTABLE))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {slab.numel()} bytes failed with cudaError {err}")
+    weakref.finalize(slab, _unpin, ptr)
+
+
+def _unpin(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister of a staging buffer failed with cudaError %d", err)
 
 
 class Arena:
@@ -226,8 +239,9 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        out.append(obj._local_tensor)
-    elif isinstance(obj, torch.Tensor) and not _is_sharded(obj):
+        with torch.no_grad():  # the local shard itself, not an autograd view of it
+            out.append(obj.to_local())
+    elif isinstance(obj, torch.Tensor) and not is_sharded_tensor(obj):
         out.append(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
@@ -237,20 +251,14 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
             _collect(value, out)
 
 
-def _is_sharded(obj: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(obj, ShardedTensor)
-
-
 def _rebuild(obj: Any, staged: Callable[[], torch.Tensor]) -> Any:
     """``obj`` with every collected tensor replaced by the next staged one (same order as :func:`_collect`)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        return DTensor(staged(), obj._spec, requires_grad=False)
+        return dtensor_like(staged(), obj)
     if isinstance(obj, torch.Tensor):
-        if _is_sharded(obj):
+        if is_sharded_tensor(obj):
             return copy.deepcopy(obj)  # legacy ShardedTensor: a copy on its own device
         return staged()
     if isinstance(obj, dict):

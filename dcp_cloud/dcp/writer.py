@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -78,7 +77,7 @@ def _item_nbytes(item: WriteItem) -> int:
     numel = 1
     for s in item.tensor_data.size:
         numel *= s
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return numel * item.tensor_data.properties.dtype.itemsize
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
