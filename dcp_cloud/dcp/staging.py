@@ -76,6 +76,19 @@ class StagingConfig:
             raise ConfigError(f"pool_bytes must be >= 0 or None, got {self.pool_bytes}")
         if self.slab_bytes < MiB:
             raise ConfigError(f"slab_bytes must be >= 1 MiB, got {self.slab_bytes}")
+        if self.background and not async_save_takes_futures():
+            raise ConfigError(
+                f"StagingConfig(background=True) needs a dcp.async_save that accepts a staging Future "
+                f"(torch's AsyncSaveResponse), which torch {torch.__version__} lacks: upgrade torch or "
+                "leave background off (staging then copies before async_save returns)"
+            )
+
+
+def async_save_takes_futures() -> bool:
+    """Whether this torch's ``dcp.async_save`` accepts a Future from ``stage`` and returns an AsyncSaveResponse."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    return hasattr(state_dict_saver, "AsyncSaveResponse")
 
 
 def _aligned(n: int) -> int:
