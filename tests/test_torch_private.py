@@ -102,9 +102,8 @@ def test_storage_alignment_is_the_one_torch_save_uses() -> None:
 
 
 def test_a_changed_storage_alignment_is_followed() -> None:
-    config = torchprivate._save_config()
-    if config is None:
-        pytest.skip(f"torch {torch.__version__} has no storage alignment setting (fixed at 64 bytes)")
+    from torch.utils.serialization.config import save as config
+
     before = config.storage_alignment
     config.storage_alignment = 4096
     try:

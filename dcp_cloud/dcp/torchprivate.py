@@ -64,34 +64,19 @@ if not dataclasses.is_dataclass(StorageInfo) or [f.name for f in dataclasses.fie
     )
 
 
-# -- torch.save's serialization settings (public) ----------------------------------------------------
-def _save_config() -> Any:
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch < 2.7: no serialization config
-        return None
-    return config.save
-
-
-#: torch.save's storage alignment before it became a setting (torch < 2.7).
-_FIXED_ALIGNMENT = 64
-
-
-def storage_alignment() -> int:
-    """torch.save's storage alignment now (a process setting since torch 2.7; fixed at 64 bytes before)."""
-    save = _save_config()
-    return int(save.storage_alignment) if save is not None else _FIXED_ALIGNMENT
-
-
 # -- torch.save without the zip CRC32 ----------------------------------------------------------------
+def storage_alignment() -> int:
+    """torch.save's storage alignment now (a process setting, public since torch 2.7)."""
+    from torch.utils.serialization import config
+
+    return int(config.save.storage_alignment)
+
+
 def save_without_crc(obj: Any, stream: IO[bytes]) -> None:
     """The fast path: torch's own zip writer with the CRC32 off for this stream alone."""
     from torch.serialization import DEFAULT_PROTOCOL, _save
 
-    if _save_config() is None:  # torch < 2.7: (stream, compute_crc32), alignment fixed
-        writer = torch._C.PyTorchFileWriter(stream, False)
-    else:
-        writer = torch._C.PyTorchFileWriter(stream, False, storage_alignment())
+    writer = torch._C.PyTorchFileWriter(stream, False, storage_alignment())
     _save(obj, writer, pickle, DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     stream.flush()
