@@ -4,7 +4,7 @@ One session per torch, each in its own virtualenv under ``.nox/`` (reused betwee
 release is downloaded once)::
 
     pip install nox
-    nox -s compat-2.6 compat-2.15     # the oldest claimed torch and the newest release
+    nox -s compat-2.7 compat-2.15     # the oldest claimed torch and the newest release
     nox -t compat                     # every version below
     nox -s compat-2.15 -- -x          # arguments after -- go to pytest
 
