@@ -202,6 +202,24 @@ def test_dtensor_fast_and_public_paths_build_the_same_dtensor() -> None:
     assert run_ranks(2, _dtensor_paths, timeout=300) == [[], []]
 
 
+# -- call shapes that differ between torch versions --------------------------------------------------
+
+
+def _ranks_seen(rank: int, world_size: int, root: str) -> tuple[int, int]:
+    from dcp_cloud import LocalWriter
+
+    told, untold = LocalWriter(f"{root}/a"), LocalWriter(f"{root}/b")
+    told.set_up_storage_writer(rank == 0, rank=rank)  # torch >= 2.8
+    untold.set_up_storage_writer(rank == 0)  # torch 2.7 passes no rank
+    return told.rank, untold.rank
+
+
+def test_writer_knows_its_rank_whether_or_not_torch_passes_it(tmp_path: Any) -> None:
+    from dcp_cloud.testing.multirank import run_ranks
+
+    assert run_ranks(2, _ranks_seen, str(tmp_path), timeout=300) == [(0, 0), (1, 1)]
+
+
 # -- legacy ShardedTensor ----------------------------------------------------------------------------
 
 
