@@ -141,6 +141,11 @@ def test_fsdp2_adam_resumes_on_2_and_3_ranks(s3_bucket: str, s3_env: dict[str, s
             assert torch.equal(weights[k].view(torch.int32), w.view(torch.int32)), k
 
     # other world sizes: same math, different summation order -> tight tolerance
+    if torch.__version__ < (2, 9):
+        pytest.xfail(
+            "torch < 2.9 resumes this FSDP2 + Adam run on 2 ranks ~1% off the uninterrupted one with its own "
+            "FileSystemWriter/Reader too, to the same losses as dcp_cloud (seen on 2.7.0 and 2.8.0; 2.9.0 matches)"
+        )
     for world in (2, 3):
         results = run_ranks(world, _resume, uri, env=s3_env, timeout=600)
         losses, weights, lr = results[0]

@@ -16,8 +16,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from dcp_cloud import ScaleLoadPlanner
-from dcp_cloud.planner.load import share_chunk_lists
+from dcp_cloud.planner.load import _ChunkSweep, checked_helpers, indexed_reads, share_chunk_lists
 
 
 def _grid(shape: tuple[int, ...], cuts: list[list[int]]) -> list[ChunkStorageMetadata]:
@@ -65,9 +64,9 @@ def test_the_indexed_search_finds_the_stock_read_items(layout: Any) -> None:
     shape, saved, local = layout
     md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), saved)
     stock = sorted(_key(i) for i in create_read_items_for_chunk_list("t", md, local))
-    planner = ScaleLoadPlanner()
-    planner.set_up_planner({}, Metadata({}), False)
-    ours = sorted(_key(i) for i in planner._tensor_reads("t", md, local))
+    helpers = checked_helpers()
+    assert helpers is not None  # every torch the package supports has them
+    ours = sorted(_key(i) for i in indexed_reads(helpers, "t", md, local, _ChunkSweep(saved)))
     assert ours == stock
 
 

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from dcp_cloud.dcp import serialize
+from dcp_cloud.dcp import serialize, torchprivate
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_records_carry_no_crc32_where_torch_allows() -> None:
 
 
 def test_falls_back_to_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serialize, "_usable", False)
+    monkeypatch.setattr(torchprivate, "_crcless", False)
     out = io.BytesIO()
     serialize.save_tensor(torch.randn(100), out)
     assert any(info.CRC for info in zipfile.ZipFile(out).infolist())  # torch.save's own CRC32s
@@ -52,5 +52,5 @@ def test_probe_rejects_a_changed_private_api(monkeypatch: pytest.MonkeyPatch) ->
     def broken(obj: object, stream: object) -> None:
         raise TypeError("signature changed")
 
-    monkeypatch.setattr(serialize, "_save_without_crc", broken)
-    assert serialize._probe() is False
+    monkeypatch.setattr(torchprivate, "save_without_crc", broken)
+    assert torchprivate._probe_crcless() is False

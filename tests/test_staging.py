@@ -11,11 +11,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_cloud import LocalReader, LocalWriter, StagingConfig, free_staging_pool
-from dcp_cloud.dcp.staging import POOL, stage
+from dcp_cloud.dcp.staging import POOL, async_save_takes_futures, stage
+from dcp_cloud.errors import ConfigError
+
+#: dcp.async_save's answer when stage() hands back a Future (absent from older torch).
+AsyncSaveResponse = getattr(state_dict_saver, "AsyncSaveResponse", None)
 
 MiB = 1024 * 1024
 
@@ -115,6 +119,7 @@ def test_non_contiguous_and_mixed_dtypes() -> None:
     lease.release()
 
 
+@pytest.mark.skipif(AsyncSaveResponse is None, reason=f"torch {torch.__version__}'s async_save takes no Future")
 def test_background_staging_returns_an_async_save_response(tmp_path: Path) -> None:
     state = _state(3.0)
     writer = LocalWriter(tmp_path / "bg", staging=StagingConfig(background=True))
@@ -127,6 +132,14 @@ def test_background_staging_returns_an_async_save_response(tmp_path: Path) -> No
     target = _state(0.0)
     dcp.load(target, storage_reader=LocalReader(tmp_path / "bg"))
     assert all(bool((t == i + 3.0).all()) for i, t in enumerate(target.values()))
+
+
+def test_background_staging_is_refused_where_async_save_takes_no_future(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert async_save_takes_futures() == (AsyncSaveResponse is not None)
+    monkeypatch.delattr(state_dict_saver, "AsyncSaveResponse", raising=False)  # as on torch 2.7
+    with pytest.raises(ConfigError, match="background"):
+        StagingConfig(background=True)
+    StagingConfig()  # the default stages before async_save returns, on every torch
 
 
 def test_training_loop_async_saves_to_s3(s3_bucket: str, s3_env: Any) -> None:

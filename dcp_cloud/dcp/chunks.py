@@ -45,7 +45,7 @@ class ChunkIndex:
         md = self._md.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata):
             return None
-        nbytes = torch._utils._element_size(md.properties.dtype)
+        nbytes = md.properties.dtype.itemsize
         for n in md.size:
             nbytes *= n
         return nbytes

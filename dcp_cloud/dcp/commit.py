@@ -8,13 +8,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
 from .compression import decode
 
-__all__ = ["commit", "commit_whole"]
+__all__ = ["commit", "commit_whole", "narrow_to"]
+
+
+def narrow_to(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The view of ``tensor`` at ``offsets`` with ``lengths`` (what stock DCP narrows a stored chunk to).
+
+    Stock torch's ``narrow_tensor_by_index`` is private; this is its public equivalent
+    (``tests/test_torch_private.py`` compares the two).
+    """
+    out = tensor
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length < tensor.size(dim):
+            out = out.narrow(dim, offset, length)
+    return out
 
 
 def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
@@ -44,4 +56,4 @@ def commit_whole(
             f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
         ) from exc
     target = planner.resolve_tensor(req).detach()
-    commit(planner, req, target, narrow_tensor_by_index(saved, req.storage_offsets, req.lengths), what)
+    commit(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import serialize
+from . import serialize, torchprivate
 
 #: A layout: everything torch.save's framing of a plain CPU tensor depends on.
 Layout = tuple[Any, ...]
@@ -41,9 +41,7 @@ _pending: dict[Layout, tuple[bytes, bytes, bytes] | None] = {}
 
 def storage_alignment() -> int:
     """torch.save's storage alignment now (a process setting; part of every layout)."""
-    from torch.serialization import _get_storage_alignment
-
-    return int(_get_storage_alignment())
+    return torchprivate.storage_alignment()
 
 
 def layout_of(tensor: torch.Tensor, alignment: int) -> Layout | None:
@@ -68,7 +66,7 @@ def layout_of(tensor: torch.Tensor, alignment: int) -> Layout | None:
     ):
         return None
     nbytes = tensor.nbytes
-    if nbytes == 0 or torch._C._get_tensor_metadata(tensor):  # the conj / neg bits (is_conj() is slower)
+    if nbytes == 0 or torchprivate.pickles_tensor_metadata(tensor):  # the conj / neg bits
         return None
     return (tensor.dtype, tuple(tensor.shape), tensor.stride(), nbytes, alignment)
 

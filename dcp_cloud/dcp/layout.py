@@ -1,4 +1,4 @@
-"""The on-store layout of a checkpoint, and the one place that touches private torch names.
+"""The on-store layout of a checkpoint.
 
 A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
 
@@ -32,10 +32,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CorruptCheckpointError
+from .torchprivate import StorageInfo
 
 METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
@@ -113,9 +113,9 @@ class ItemExtras:
         return int.from_bytes(self.crcs[4 * block : 4 * block + 4], "big")
 
 
-def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras | None = None) -> _StorageInfo:
+def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras | None = None) -> StorageInfo:
     """A stock ``_StorageInfo``; with ``extras``, carrying them as a builtin-valued attribute (format 1)."""
-    info = _StorageInfo(relative_path, offset, length)
+    info = StorageInfo(relative_path, offset, length)
     if extras is not None:
         setattr(info, EXTRA_ATTR, extras.to_builtin())
     return info

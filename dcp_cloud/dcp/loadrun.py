@@ -235,7 +235,7 @@ class LoadRun:
         verify = self.transfer.verify_checksums and extras.block_size > 0
         item = LoadItem(what, key, info.offset + extras.raw_offset, extras, verify)
         item.shape, item.dtype = shape, dtype
-        elem = torch._utils._element_size(dtype)
+        elem = dtype.itemsize
         nbytes = elem
         for n in shape:
             nbytes *= n

@@ -115,7 +115,7 @@ def guess(
     if chunk is None:
         return Guess(None, length, block, b"", confirm) if whole else None
     shape, dtype = chunk
-    nbytes = torch._utils._element_size(dtype)
+    nbytes = dtype.itemsize
     for n in shape:
         nbytes *= n
     if whole:

@@ -42,12 +42,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..planner.readshare import RecordKey, SharedRecord, ShareSchedule
-from .commit import commit, commit_whole
+from .commit import commit, commit_whole, narrow_to
 from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun
@@ -425,9 +424,7 @@ class Exchange:
             stored = slot.buf.view(slot.dtype).reshape(slot.shape)
             for _info, req, what, target in slot.targets:
                 COUNTS["raw_staged"] += 1
-                commit(
-                    self.planner, req, target, narrow_tensor_by_index(stored, req.storage_offsets, req.lengths), what
-                )
+                commit(self.planner, req, target, narrow_to(stored, req.storage_offsets, req.lengths), what)
             slot.buf = None
 
 
@@ -444,7 +441,7 @@ def _comm_device(group: Any) -> torch.device:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch._utils._element_size(dtype)
+    n = dtype.itemsize
     for d in shape:
         n *= d
     return n

@@ -41,12 +41,15 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .torchprivate import dtensor_like, is_sharded_tensor
 
 log = logging.getLogger("dcp_cloud")
 
 MiB = 1024 * 1024
 #: Alignment of every tensor inside a slab (any dtype, and cache-line friendly).
 _ALIGN = 64
+#: cudaHostRegisterPortable: the pinned pages count as pinned in every CUDA context.
+_HOST_REGISTER_PORTABLE = 1
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ class StagingConfig:
             raise ConfigError(f"pool_bytes must be >= 0 or None, got {self.pool_bytes}")
         if self.slab_bytes < MiB:
             raise ConfigError(f"slab_bytes must be >= 1 MiB, got {self.slab_bytes}")
+        if self.background and not async_save_takes_futures():
+            raise ConfigError(
+                f"StagingConfig(background=True) needs a dcp.async_save that accepts a staging Future "
+                f"(torch's AsyncSaveResponse), which torch {torch.__version__} lacks: upgrade torch or "
+                "leave background off (staging then copies before async_save returns)"
+            )
+
+
+def async_save_takes_futures() -> bool:
+    """Whether this torch's ``dcp.async_save`` accepts a Future from ``stage`` and returns an AsyncSaveResponse."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    return hasattr(state_dict_saver, "AsyncSaveResponse")
 
 
 def _aligned(n: int) -> int:
@@ -80,12 +96,22 @@ def _aligned(n: int) -> int:
 
 
 def _pin(slab: torch.Tensor) -> None:
-    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two)."""
-    from torch.cuda import _pin_memory_utils
+    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two).
 
+    Through the CUDA runtime that ``torch.cuda.cudart()`` exposes, as torch's own private
+    ``_pin_memory_utils`` (2.7+) does it: public, and present on every torch the package supports.
+    """
     ptr = slab.data_ptr()
-    _pin_memory_utils.pin_memory(ptr, slab.numel())
-    weakref.finalize(slab, _pin_memory_utils.unpin_memory, ptr)
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, slab.numel(), _HOST_REGISTER_PORTABLE))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {slab.numel()} bytes failed with cudaError {err}")
+    weakref.finalize(slab, _unpin, ptr)
+
+
+def _unpin(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister of a staging buffer failed with cudaError %d", err)
 
 
 class Arena:
@@ -226,8 +252,9 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        out.append(obj._local_tensor)
-    elif isinstance(obj, torch.Tensor) and not _is_sharded(obj):
+        with torch.no_grad():  # the local shard itself, not an autograd view of it
+            out.append(obj.to_local())
+    elif isinstance(obj, torch.Tensor) and not is_sharded_tensor(obj):
         out.append(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
@@ -237,20 +264,14 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
             _collect(value, out)
 
 
-def _is_sharded(obj: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(obj, ShardedTensor)
-
-
 def _rebuild(obj: Any, staged: Callable[[], torch.Tensor]) -> Any:
     """``obj`` with every collected tensor replaced by the next staged one (same order as :func:`_collect`)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        return DTensor(staged(), obj._spec, requires_grad=False)
+        return dtensor_like(staged(), obj)
     if isinstance(obj, torch.Tensor):
-        if _is_sharded(obj):
+        if is_sharded_tensor(obj):
             return copy.deepcopy(obj)  # legacy ShardedTensor: a copy on its own device
         return staged()
     if isinstance(obj, dict):

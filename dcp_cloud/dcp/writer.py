@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -80,7 +80,7 @@ def _item_nbytes(item: WriteItem) -> int:
     numel = 1
     for s in item.tensor_data.size:
         numel *= s
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return numel * item.tensor_data.properties.dtype.itemsize
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
@@ -238,6 +238,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 "new checkpoint_id); pass checkpoint_id= to dcp.save, or build the writer with overwrite=True"
             )
         rank = kwargs.get("rank")
+        if rank is None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()  # torch 2.7 passes no rank: the global one (DCP's default group)
         self.rank = int(rank) if rank is not None else 0
 
     def storage_meta(self) -> StorageMeta | None:

@@ -14,31 +14,36 @@ The plan is the stock one: the same ReadItems (in start order rather than
 torch's end order), with the same indices. Checkpoints without shared lists (stock-written ones) are
 indexed per tensor, at about stock's cost; checkpoints from torch before 2.4
 (no version) go through the stock planner unchanged.
+
+The search plans with torch's private planning helpers
+(:func:`dcp_cloud.dcp.torchprivate.planner_helpers`). The first plan checks
+that they still give the stock read items for a small layout; where they are
+gone or do not, the planner is the stock one.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import logging
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_list,
-    _create_read_item_for_tensor,
-    _create_read_items,
-)
-from torch.distributed.checkpoint.resharding import (
-    _check_shard_metadata_pair_overlap,
-    _shards_get_overlap_region_wrt_saved_tensor,
-)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
+
+from ..dcp.torchprivate import PlannerHelpers, planner_helpers
+
+log = logging.getLogger("dcp_cloud")
 
 
 class _ChunkSweep:
@@ -90,8 +95,10 @@ class ScaleLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         metadata = self.metadata
-        if metadata is None or getattr(metadata, "version", None) is None:
-            return super().create_local_plan()  # pre-2.4 checkpoints: the stock planner's key handling
+        helpers = checked_helpers()
+        if metadata is None or getattr(metadata, "version", None) is None or helpers is None:
+            # pre-2.4 checkpoints: the stock planner's key handling; a torch without the helpers: stock search
+            return super().create_local_plan()
         strict = not self.allow_partial_load
         requests: list[ReadItem] = []
         saved = metadata.state_dict_metadata
@@ -107,9 +114,9 @@ class ScaleLoadPlanner(DefaultLoadPlanner):
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the DTensor's mesh
             if isinstance(md, TensorStorageMetadata):
-                requests += self._tensor_reads(fqn, md, _create_chunk_list(obj))
+                requests += indexed_reads(helpers, fqn, md, helpers.create_chunk_list(obj), self._sweep(md.chunks))
             else:
-                requests += _create_read_items(fqn, md, obj)
+                requests += helpers.create_read_items(fqn, md, obj)
         return LoadPlan(requests)
 
     def _sweep(self, chunks: list[ChunkStorageMetadata]) -> _ChunkSweep:
@@ -118,39 +125,73 @@ class ScaleLoadPlanner(DefaultLoadPlanner):
             sweep = self._sweeps[id(chunks)] = _ChunkSweep(chunks)
         return sweep
 
-    def _tensor_reads(
-        self, fqn: str, md: TensorStorageMetadata, local_chunks: list[ChunkStorageMetadata]
-    ) -> list[ReadItem]:
-        """torch's ``create_read_items_for_chunk_list``, with the saved chunks found by binary search."""
-        saved = md.chunks
-        if not local_chunks or not saved:
-            return []
-        sweep = self._sweep(saved)
-        reads: list[ReadItem] = []
-        starts = [c.offsets[sweep.dim] if c.offsets else 0 for c in local_chunks]
-        for local_idx in sorted(range(len(local_chunks)), key=starts.__getitem__):
-            local = local_chunks[local_idx]
-            for storage_idx in sweep.candidates(local):
-                chunk = saved[storage_idx]
-                if not _check_shard_metadata_pair_overlap(local, chunk):
-                    continue
-                storage_offsets, dest_offsets, lengths = [], [], []
-                for _dim, saved_off, dest_off, length in _shards_get_overlap_region_wrt_saved_tensor(
-                    saved_shard=chunk, current_shard=local
-                ):
-                    storage_offsets.append(saved_off)
-                    dest_offsets.append(dest_off)
-                    lengths.append(length)
-                reads.append(
-                    _create_read_item_for_tensor(
-                        dest_index=MetadataIndex(fqn, local.offsets, local_idx),
-                        dest_offsets=dest_offsets,
-                        storage_index=MetadataIndex(fqn, chunk.offsets, storage_idx),
-                        storage_offsets=storage_offsets,
-                        lengths=lengths,
-                    )
+
+def indexed_reads(
+    helpers: PlannerHelpers,
+    fqn: str,
+    md: TensorStorageMetadata,
+    local_chunks: list[ChunkStorageMetadata],
+    sweep: _ChunkSweep,
+) -> list[ReadItem]:
+    """torch's ``create_read_items_for_chunk_list``, with the saved chunks (``sweep``) found by binary search."""
+    saved = md.chunks
+    if not local_chunks or not saved:
+        return []
+    reads: list[ReadItem] = []
+    starts = [c.offsets[sweep.dim] if c.offsets else 0 for c in local_chunks]
+    for local_idx in sorted(range(len(local_chunks)), key=starts.__getitem__):
+        local = local_chunks[local_idx]
+        for storage_idx in sweep.candidates(local):
+            chunk = saved[storage_idx]
+            if not helpers.pair_overlaps(local, chunk):
+                continue
+            storage_offsets, dest_offsets, lengths = [], [], []
+            for _dim, saved_off, dest_off, length in helpers.overlap_region(saved_shard=chunk, current_shard=local):
+                storage_offsets.append(saved_off)
+                dest_offsets.append(dest_off)
+                lengths.append(length)
+            reads.append(
+                helpers.create_read_item_for_tensor(
+                    dest_index=MetadataIndex(fqn, local.offsets, local_idx),
+                    dest_offsets=dest_offsets,
+                    storage_index=MetadataIndex(fqn, chunk.offsets, storage_idx),
+                    storage_offsets=storage_offsets,
+                    lengths=lengths,
                 )
-        return reads
+            )
+    return reads
+
+
+def _probe(helpers: PlannerHelpers) -> bool:
+    """Whether the helpers still find stock torch's read items for a small uneven 2-D reshard."""
+    size = torch.Size([7, 5])
+
+    def chunk(offsets: list[int], sizes: list[int]) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+    saved = [chunk([4, 0], [3, 5]), chunk([0, 0], [2, 5]), chunk([2, 0], [2, 5])]
+    local = [chunk([1, 0], [4, 3]), chunk([1, 3], [4, 2])]
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, saved)
+    ours = indexed_reads(helpers, "probe", md, local, _ChunkSweep(saved))
+    stock = create_read_items_for_chunk_list("probe", md, local)
+    return sorted(map(repr, ours)) == sorted(map(repr, stock)) and len(ours) == 6
+
+
+def _check(helpers: PlannerHelpers) -> PlannerHelpers | None:
+    try:
+        if _probe(helpers):
+            return helpers
+        log.debug("torch's load planner helpers plan differently now; ScaleLoadPlanner plans as stock")
+    except Exception as exc:  # noqa: BLE001 - a changed signature: plan as stock torch does
+        log.debug("torch's load planner helpers changed (%s); ScaleLoadPlanner plans as stock", exc)
+    return None
+
+
+@functools.cache
+def checked_helpers() -> PlannerHelpers | None:
+    """torch's planning helpers if present and still planning as stock torch does (checked once), else None."""
+    helpers = planner_helpers()
+    return None if helpers is None else _check(helpers)
 
 
 def share_chunk_lists(metadata: Metadata) -> int:
