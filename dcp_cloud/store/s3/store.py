@@ -9,6 +9,7 @@ import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...errors import CorruptCheckpointError, DcpCloudError, StoreError, TransientStoreError
 from ..clients import shared_client
@@ -213,6 +214,16 @@ class S3Store:
             return  # the first request reports it
         if isinstance(client, LeanS3Client):
             client.warm(self.bucket, min(connections, self.max_connections))
+
+    def trusts_create_only(self) -> bool:
+        """Whether the endpoint is AWS S3 itself, which refuses a create-only write of an existing key
+        (``If-None-Match: *``). S3-compatible servers vary; :mod:`dcp_cloud.dcp.createonly` probes them."""
+        try:
+            endpoint = self._client().meta.endpoint_url
+        except DcpCloudError:
+            return False
+        host = (urlsplit(endpoint).hostname or "").lower()
+        return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
     # -- helpers -------------------------------------------------------------
 
