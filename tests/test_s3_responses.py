@@ -159,3 +159,15 @@ def test_endpoint_answering_a_web_page_raises_instead_of_listing_nothing(
             store.list_multipart("run/")
     finally:
         store.close()
+
+
+def test_listing_page_that_holds_more_than_was_read_is_refused() -> None:
+    from dcp_cloud.store.s3.store import _check_page
+
+    _check_page({"Name": "b", "IsTruncated": False, "KeyCount": 2}, 2, "s3://b/run/")
+    with pytest.raises(StoreError, match="2 key"):
+        _check_page({"Name": "b", "IsTruncated": False, "KeyCount": 2}, 0, "s3://b/run/")
+    with pytest.raises(StoreError, match="without a continuation token"):
+        _check_page({"Name": "b", "IsTruncated": True, "NextContinuationToken": None}, 0, "s3://b/run/")
+    with pytest.raises(StoreError, match="not a ListObjectsV2 answer"):
+        _check_page({"ResponseMetadata": {}}, 0, "s3://b/run/")
