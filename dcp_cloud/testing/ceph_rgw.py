@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -36,7 +35,7 @@ import urllib.request
 import uuid
 import weakref
 
-from .moto_server import _death_signal_setter, _free_port
+from ._procs import _death_signal_setter, _free_port, stop_processes
 
 #: What must be on PATH to start a cluster.
 PROGRAMS = ("monmaptool", "ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph")
@@ -67,6 +66,25 @@ class CephRGWError(RuntimeError):
 def missing_programs() -> list[str]:
     """The programs of :data:`PROGRAMS` that are not on PATH (empty when a cluster can start)."""
     return [p for p in PROGRAMS if shutil.which(p) is None]
+
+
+_DIR_PREFIX = "dcp-cloud-rgw-"
+
+
+def _remove_stale_dirs() -> None:
+    """Remove the directories of clusters whose starting process is gone (killed before it could clean up:
+    the kernel stopped their daemons, but about 40 MB of monitor store and logs stayed)."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name[len(_DIR_PREFIX) :].partition("-")[0]
+        if not name.startswith(_DIR_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except PermissionError:
+            continue  # alive, someone else's
 
 
 def version() -> str:
@@ -126,6 +144,10 @@ class CephRGW:
     that thread exits.
     """
 
+    access_key = ACCESS_KEY
+    secret_key = SECRET_KEY
+    region = REGION
+
     def __init__(self, *, memstore_bytes: int = 2 * 1024**3, startup_timeout: float = 60.0) -> None:
         self.memstore_bytes = memstore_bytes
         self.startup_timeout = startup_timeout
@@ -144,18 +166,6 @@ class CephRGW:
     def pids(self) -> list[int]:
         """PIDs of the daemons this object started and has not stopped."""
         return [p.pid for p in self._procs]
-
-    @property
-    def access_key(self) -> str:
-        return ACCESS_KEY
-
-    @property
-    def secret_key(self) -> str:
-        return SECRET_KEY
-
-    @property
-    def region(self) -> str:
-        return REGION
 
     def __repr__(self) -> str:
         return f"CephRGW(endpoint_url={self.endpoint_url!r}, pids={self.pids})" if self.port else "CephRGW(stopped)"
@@ -179,7 +189,8 @@ class CephRGW:
             return self
 
     def _start(self) -> None:
-        self.root = root = tempfile.mkdtemp(prefix="dcp-cloud-rgw-")
+        _remove_stale_dirs()
+        self.root = root = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         for sub in ("run", "log", "rgw", "crash", "mon-a"):
             os.makedirs(os.path.join(root, sub))
         fsid = str(uuid.uuid4())
@@ -279,18 +290,7 @@ class CephRGW:
 
     def _stop(self, grace: float = 10.0) -> None:
         procs, self._procs = self._procs, []
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+        stop_processes(procs, grace)
         if self.root:
             shutil.rmtree(self.root, ignore_errors=True)
         self.root, self.port = None, None

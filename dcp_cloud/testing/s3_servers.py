@@ -85,19 +85,11 @@ class S3Target:
 
     def client(self) -> Any:
         """A plain boto3 client on the server (path-style, retries on), for arranging and checking tests."""
+        from .s3rver import client
+
         with self._lock:
             if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                self._client = boto3.client(
-                    "s3",
-                    endpoint_url=self.endpoint_url,
-                    region_name=self.region,
-                    aws_access_key_id=self.access_key,
-                    aws_secret_access_key=self.secret_key,
-                    config=Config(retries={"max_attempts": 3}, s3={"addressing_style": "path"}),
-                )
+                self._client = client(self)
             return self._client
 
     def new_bucket(self, prefix: str = "dcp-compat") -> str:

@@ -35,7 +35,7 @@ import urllib.request
 import weakref
 from typing import Any
 
-from .moto_server import _death_signal_setter, _free_port
+from ._procs import _death_signal_setter, _free_port, stop_processes
 
 VERSION = "3.7.1"
 ACCESS_KEY = SECRET_KEY = "S3RVER"
@@ -97,6 +97,10 @@ def install() -> str:
 class S3rver:
     """A running s3rver on 127.0.0.1 (a context manager); installs it first if needed."""
 
+    access_key = ACCESS_KEY
+    secret_key = SECRET_KEY
+    region = REGION
+
     def __init__(self, workdir: str | None = None) -> None:
         self.script = install()
         self.workdir = workdir
@@ -114,18 +118,6 @@ class S3rver:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    @property
-    def access_key(self) -> str:
-        return ACCESS_KEY
-
-    @property
-    def secret_key(self) -> str:
-        return SECRET_KEY
-
-    @property
-    def region(self) -> str:
-        return REGION
 
     def cpu_s(self) -> float:
         """CPU-seconds the server process has used so far (user + system, all its threads; 0 off Linux)."""
@@ -191,13 +183,7 @@ class S3rver:
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([proc] if proc is not None else [], grace=10.0)
         if self.data:
             shutil.rmtree(self.data, ignore_errors=True)
         self.data, self.port = None, None

@@ -19,19 +19,25 @@ from dcp_cloud.testing.moto_server import _CONFLICTING_ENV
 from dcp_cloud.testing.s3_servers import S3Target
 
 
+@pytest.fixture(scope="session")
+def aws_profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An AWS config file naming a profile (``compat``): the command line takes botocore where one is set."""
+    path = tmp_path_factory.mktemp("aws") / "config"
+    path.write_text("[profile compat]\n")
+    return path
+
+
 @pytest.fixture(params=[(s, c) for s in SERVERS for c in CLIENTS], ids=[f"{s}-{c}" for s in SERVERS for c in CLIENTS])
-def compat(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Compat]:
+def compat(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, aws_profile_file: Path) -> Iterator[Compat]:
     server, client = request.param
     target: S3Target = request.getfixturevalue(f"{server}_target")
     for name in _CONFLICTING_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in target.env().items():
         monkeypatch.setenv(name, value)
-    profile_file = tmp_path / "aws-config"
-    profile_file.write_text(f"[profile compat]\nregion = {target.region}\n")
     bucket = target.new_bucket()
     try:
-        yield Compat(target, client, bucket, profile_file)
+        yield Compat(target, client, bucket, aws_profile_file)
     finally:
         close_clients()
         target.drop_bucket(bucket)
