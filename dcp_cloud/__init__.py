@@ -34,6 +34,7 @@ from .errors import (
     ThrottledError,
     TransientStoreError,
     UnsupportedCheckpointError,
+    UnsupportedOperationError,
 )
 from .maintenance import (
     CheckpointInfo,
@@ -98,6 +99,7 @@ __all__ = [
     "ThrottledError",
     "TransientStoreError",
     "UnsupportedCheckpointError",
+    "UnsupportedOperationError",
     "VerifyReport",
     "close_clients",
     "copy_checkpoint",

@@ -89,6 +89,11 @@ class StoreError(DcpCloudError, OSError):
     """Any other failure reported by the object store."""
 
 
+class UnsupportedOperationError(StoreError, NotImplementedError):
+    """The server does not implement a request (HTTP 501 ``NotImplemented``), e.g. s3rver's missing
+    ListMultipartUploads."""
+
+
 __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
@@ -107,4 +112,5 @@ __all__ = [
     "ThrottledError",
     "TransientStoreError",
     "UnsupportedCheckpointError",
+    "UnsupportedOperationError",
 ]

@@ -232,8 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
         return exc.code if isinstance(exc.code, int) else 2
+    # Warnings always reach stderr (the library's NullHandler would swallow them: e.g. that a server could
+    # not list multipart uploads); -v adds what dcp_cloud does.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     if args.verbose:
-        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
         logging.getLogger("dcp_cloud").setLevel(logging.INFO)
     try:
         return COMMANDS[args.command](args)

@@ -31,6 +31,7 @@ from torch.futures import Future
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..planner.load import share_chunk_lists
+from ..store.clients import environment_digest
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
 from . import compression as _compression
@@ -40,6 +41,7 @@ from .base import CloudBase, log
 from .checksum import checksum_block_for
 from .contenthash import ItemHasher
 from .contenthash import digest as content_digest
+from .createonly import put_create_only
 from .footer import FooterEntry
 from .footer import encode as encode_footer
 from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
@@ -437,7 +439,11 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         store = self._retrying()
         key = self._metadata_key()
         try:
-            store.put(key, body, create_only=not self.overwrite)
+            # One PutObject, whatever the size: see .createonly for why never a multipart upload.
+            if self.overwrite:
+                store.put(key, body)
+            else:
+                put_create_only(store, key, body, (self.backend, self.uri.bucket, environment_digest()))
         except PreconditionFailedError as exc:
             if not (getattr(exc, "after_retry", False) and self._committed_by_us(key)):
                 raise CheckpointExistsError(

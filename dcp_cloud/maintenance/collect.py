@@ -14,7 +14,19 @@ from ..errors import ConfigError, CorruptCheckpointError, DcpCloudError, ObjectN
 from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI
-from .common import _METADATA, GCReport, _basename, _dirname, _group, _is_shard, _newest, _open, _Root, log
+from .common import (
+    _METADATA,
+    GCReport,
+    _basename,
+    _dirname,
+    _group,
+    _is_shard,
+    _newest,
+    _open,
+    _pending_uploads_or_none,
+    _Root,
+    log,
+)
 from .dependents import committed_under, referenced_keys
 from .progress import Progress, or_silent
 
@@ -49,13 +61,19 @@ def _local_upload_scopes(root: _Root) -> list[tuple[ObjectStore, str, str]]:
     return scopes
 
 
-def _pending_uploads(root: _Root) -> list[_Upload]:
+def _pending_uploads(root: _Root) -> tuple[list[_Upload], str | None]:
+    """The uploads under the root, and why they were not looked at (None when they were)."""
     scopes = _local_upload_scopes(root) if root.scheme == "file" else [(root.store, root.list_prefix(), "")]
     found = []
     for store, prefix, key_base in scopes:
-        for upload in store.list_multipart(prefix):
+        uploads, unchecked = _pending_uploads_or_none(
+            store, prefix, "gc", "; uncommitted saves were judged by the age of their objects alone"
+        )
+        if unchecked is not None:
+            return [], unchecked
+        for upload in uploads:
             found.append(_Upload(store, upload.key, upload.upload_id, upload.initiated, key_base + upload.key))
-    return found
+    return found, None
 
 
 class _Collector:
@@ -74,6 +92,7 @@ class _Collector:
         self.freed = 0
         self.committed: list[str] = []
         self.skipped: list[tuple[str, str]] = []
+        self.uploads_unchecked: str | None = None
 
     def age(self, when: float | None) -> str:
         return "unknown age" if when is None else f"{max(0.0, self.now - when):.0f}s old"
@@ -183,6 +202,7 @@ class _Collector:
             freed_bytes=self.freed,
             committed_checkpoints=tuple(self.committed),
             skipped=tuple(self.skipped),
+            uploads_unchecked=self.uploads_unchecked,
         )
 
 
@@ -230,7 +250,7 @@ def gc(
             except (AttributeError, TypeError):  # malformed records: that checkpoint is skipped below
                 continue
         run = _Collector(root, float(older_than), bool(dry_run), protected)
-        uploads = _pending_uploads(root)
+        uploads, run.uploads_unchecked = _pending_uploads(root)
         groups = _group(root.store.list(root.list_prefix()))
         by_prefix: dict[str, list[_Upload]] = defaultdict(list)
         for up in uploads:

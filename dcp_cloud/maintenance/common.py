@@ -12,8 +12,8 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.layout import is_shard_path
-from ..errors import ConfigError
-from ..store.protocol import ObjectInfo, ObjectStore
+from ..errors import ConfigError, UnsupportedOperationError
+from ..store.protocol import ObjectInfo, ObjectStore, PendingUpload
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI, parse_uri
 
@@ -77,6 +77,8 @@ class GCReport:
     committed_checkpoints: tuple[str, ...] = ()
     #: ``(key or prefix, reason)`` of everything left alone that looked like garbage.
     skipped: tuple[tuple[str, str], ...] = ()
+    #: Why multipart uploads were not looked at (the server cannot list them), or None when they were.
+    uploads_unchecked: str | None = None
 
     def url(self, key: str) -> str:
         """The URL of a key of this report."""
@@ -221,6 +223,25 @@ def _read_committed(root: _Root) -> tuple[Any, bytes]:
             "`dcp-cloud ls` lists the checkpoints under a prefix"
         ) from exc
     return load_metadata(body, root.url(meta_key)), body
+
+
+def _pending_uploads_or_none(
+    store: ObjectStore, prefix: str, command: str, also: str = ""
+) -> tuple[list[PendingUpload], str | None]:
+    """The multipart uploads under ``prefix``, or ``([], why)`` where the server cannot list them (S3-compatible
+    servers without ListMultipartUploads answer 501): the caller goes on without that step, and one warning
+    says what was not checked."""
+    try:
+        return store.list_multipart(prefix), None
+    except UnsupportedOperationError:
+        why = (
+            f"multipart uploads under {store.url(prefix)} were not checked: the server cannot list them "
+            "(ListMultipartUploads is not implemented). Uploads that interrupted saves left there, if any, are "
+            "invisible to listings but may hold storage; abort them with the server's own tools or a bucket "
+            "lifecycle rule" + also
+        )
+        log.warning("%s: %s", command, why)
+        return [], why
 
 
 def _dirname(key: str) -> str:

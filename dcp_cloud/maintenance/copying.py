@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.createonly import put_create_only
 from ..dcp.layout import is_shard_path
 from ..errors import (
     CheckpointExistsError,
@@ -44,6 +45,7 @@ from ..errors import (
     PreconditionFailedError,
     UnsupportedCheckpointError,
 )
+from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
@@ -172,7 +174,11 @@ def _copy(
     if outside:
         body = _renamed_metadata(metadata, rename)
     try:
-        dst.store.put(meta_key, body, create_only=not overwrite)
+        if overwrite:
+            dst.store.put(meta_key, body)
+        else:  # one PutObject, never multipart: see dcp_cloud.dcp.createonly
+            cache = (dst.backend, dst.bucket, environment_digest()) if dst.backend is not None else None
+            put_create_only(dst.store, meta_key, body, cache)
     except PreconditionFailedError as exc:
         raise CheckpointExistsError(
             f"{destination} was committed by someone else while cp ran; nothing of this copy is referenced there"

@@ -8,9 +8,11 @@ rerun finishes it.
 What rm may delete is decided by name alone, so a rerun after ``.metadata``
 is gone still knows the leftovers are checkpoint objects: the prefix may
 hold only ``.metadata``, shard objects ``__<rank>_<token>.distcp`` (dcp_cloud
-and stock torch name them so), stock torch's ``.metadata.tmp`` and per-rank
-``__<rank>.metadata``. Anything else under the prefix (another file, a
-nested checkpoint) makes rm refuse before it deletes anything.
+and stock torch name them so), stock torch's ``.metadata.tmp``, per-rank
+``__<rank>.metadata`` and the probe of an interrupted commit
+(``.metadata.create-only-probe``, see dcp_cloud.dcp.createonly). Anything
+else under the prefix (another file, a nested checkpoint) makes rm refuse
+before it deletes anything.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..dcp.createonly import PROBE_NAME
 from ..dcp.layout import is_shard_path
 from ..errors import CheckpointInUseError, CheckpointNotFoundError, NotACheckpointError
 from ..store.protocol import ObjectInfo, ObjectStore
-from .common import _METADATA, _dirname, _is_shard, _open, _Root, log
+from .common import _METADATA, _dirname, _is_shard, _open, _pending_uploads_or_none, _Root, log
 from .dependents import committed_under, dependents_of
 from .progress import Progress, or_silent
 
 #: Other names a checkpoint prefix may hold: stock torch's metadata before its rename, per-rank metadata.
-_OTHER_CHECKPOINT_NAMES = re.compile(r"^(\.metadata\.tmp|__\d+\.metadata)$")
+_OTHER_CHECKPOINT_NAMES = re.compile(rf"^(\.metadata\.tmp|__\d+\.metadata|{re.escape(PROBE_NAME)})$")
 _DELETE_BATCH = 1000
 #: Rounds of list-then-delete: a second round removes what a rank still writing added meanwhile.
 _ROUNDS = 3
@@ -47,6 +50,8 @@ class RemoveReport:
     freed_bytes: int
     aborted_uploads: tuple[str, ...]
     seconds: float
+    #: Why multipart uploads under the prefix were not looked at (the server cannot list them), or None.
+    uploads_unchecked: str | None = None
 
 
 def _is_checkpoint_object(name: str) -> bool:
@@ -102,7 +107,7 @@ def remove_checkpoint(
         store_ = root.store
         store_.check_bucket()
         objs = _listing(root)
-        uploads = store_.list_multipart(root.list_prefix())
+        uploads, unchecked = _pending_uploads_or_none(store_, root.list_prefix(), "rm")
         if not objs and not uploads:
             if missing_ok:
                 return RemoveReport(checkpoint, f"{root.scheme}://{root.bucket}", False, (), 0, (), 0.0)
@@ -140,7 +145,7 @@ def remove_checkpoint(
             if not objs:
                 break
         aborted = []
-        for upload in store_.list_multipart(root.list_prefix()):
+        for upload in store_.list_multipart(root.list_prefix()) if unchecked is None else ():
             store_.abort_multipart(upload.key, upload.upload_id)
             aborted.append(upload.key)
     finally:
@@ -151,7 +156,14 @@ def remove_checkpoint(
         "rm: removed %s: %d object(s), %d bytes, %d upload(s) aborted", checkpoint, len(deleted), freed, len(aborted)
     )
     return RemoveReport(
-        checkpoint, f"{root.scheme}://{root.bucket}", was_committed, tuple(deleted), freed, tuple(aborted), seconds
+        checkpoint,
+        f"{root.scheme}://{root.bucket}",
+        was_committed,
+        tuple(deleted),
+        freed,
+        tuple(aborted),
+        seconds,
+        unchecked,
     )
 
 

@@ -142,7 +142,12 @@ class ObjectStore(Protocol):
     def complete_multipart(
         self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create_only: bool = False
     ) -> ObjectInfo:
-        """Join ``parts`` (in order) into ``key`` and release the upload."""
+        """Join ``parts`` (in order) into ``key`` and release the upload.
+
+        ``create_only`` raises PreconditionFailedError if ``key`` exists where the service evaluates the
+        condition: AWS S3 and moto do, Ceph RGW 16 and s3rver ignore it and overwrite. Commits therefore
+        use :meth:`put` (see :mod:`dcp_cloud.dcp.createonly`).
+        """
         ...
 
     def abort_multipart(self, key: str, upload_id: str) -> None:

@@ -36,6 +36,11 @@ class StoreWrapper:
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         return fn()
 
+    def trusts_create_only(self) -> bool:
+        """``inner``'s answer (see :mod:`dcp_cloud.dcp.createonly`); stores that do not say are trusted."""
+        trusts = getattr(self.inner, "trusts_create_only", None)
+        return True if trusts is None else bool(trusts())
+
     def url(self, key: str) -> str:
         return self.inner.url(key)
 

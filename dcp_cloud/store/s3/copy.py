@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ...errors import DcpCloudError
+from ...errors import DcpCloudError, StoreError
 from ..protocol import ObjectInfo, PartLimits
 from .responses import _etag, _server_time
 
@@ -42,7 +42,12 @@ def copy_object(store: S3Store, source_key: str, key: str, source_bucket: str | 
             response = client.copy_object(Bucket=store.bucket, Key=key, CopySource=source)
         except Exception as exc:
             raise store._fail(exc, key, "copy into") from exc
-        etag = response.get("CopyObjectResult", {}).get("ETag")
+        if "CopyObjectResult" not in response:  # botocore parses any body, even a web page, into an empty answer
+            raise StoreError(
+                f"the S3 endpoint answered a copy into s3://{store.bucket}/{key} with something that is not a "
+                "CopyObject answer: check that the endpoint URL points at an S3 API"
+            )
+        etag = response["CopyObjectResult"].get("ETag")
         return ObjectInfo(key, size, _etag(etag), _server_time(response))
     return _copy_in_parts(store, client, source, key, size)
 

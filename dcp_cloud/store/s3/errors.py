@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import ssl
+import sys
 from typing import Any
 
 from ...errors import (
@@ -16,7 +17,9 @@ from ...errors import (
     StoreError,
     ThrottledError,
     TransientStoreError,
+    UnsupportedOperationError,
 )
+from .s3xml import MalformedResponseError
 
 _BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
 _ACCESS_CODES = frozenset(
@@ -147,9 +150,23 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
                 f"{where} lives in another region or endpoint ({detail}): set AWS_REGION (or S3Config.region) "
                 "to the bucket's region"
             )
+        if code == "NotImplemented" or status == 501:
+            return UnsupportedOperationError(
+                f"the S3 server does not implement the request to {action} {where} ({detail}): this S3-compatible "
+                "server lacks that part of the S3 API"
+            )
         message = str(error.get("Message") or "")[:200]
         return StoreError(f"S3 refused to {action} {where} ({detail}){': ' + message if message else ''}")
 
+    # botocore's parser error, where botocore's client (which loads its parsers) made the request: importing
+    # them here would cost the lean client's processes 20 ms on their first 404.
+    parsers = sys.modules.get("botocore.parsers")
+    unreadable = (MalformedResponseError, parsers.ResponseParserError) if parsers else (MalformedResponseError,)
+    if isinstance(exc, unreadable):
+        return StoreError(
+            f"the S3 endpoint answered a request to {action} {where} with a body that is not S3's XML "
+            f"({str(exc)[:200]}): check that the endpoint URL points at an S3 API (not a web page or a proxy)"
+        )
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return AccessDeniedError(
             f"no usable AWS credentials to {action} {where}: set AWS_ACCESS_KEY_ID and "

@@ -37,7 +37,7 @@ from xml.sax.saxutils import escape
 
 from ..warmup import warm_pool
 from .config import S3Config
-from .s3xml import _NS, _XMLNS, _iso_time, _parse_xml, _text
+from .s3xml import _XMLNS, parse_complete, parse_delete, parse_error, parse_initiate, parse_list_v2
 from .sigv4 import (
     EMPTY_SHA256,
     UNSIGNED_PAYLOAD,
@@ -296,11 +296,8 @@ class LeanS3Client:
                 data = b""
         if streamed:
             response.release_conn()
-        root = _parse_xml(data)
-        code = (_text(root, "Code") if root is not None and root.tag.endswith("Error") else None) or str(
-            response.status
-        )
-        message = (_text(root, "Message") if root is not None else None) or ""
+        code, message = parse_error(data)
+        code = code or str(response.status)
         raise ClientError(
             {"Error": {"Code": code, "Message": message}, "ResponseMetadata": self._metadata(response)}, op
         )
@@ -367,15 +364,7 @@ class LeanS3Client:
     def create_multipart_upload(self, *, Bucket: str, Key: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
         headers = {"x-amz-checksum-algorithm": kwargs["ChecksumAlgorithm"]} if kwargs.get("ChecksumAlgorithm") else {}
         response = self._send("CreateMultipartUpload", "POST", Bucket, Key, query={"uploads": ""}, headers=headers)
-        upload_id = _text(_parse_xml(response.data), "UploadId")
-        if not upload_id:
-            from botocore.exceptions import ClientError
-
-            raise ClientError(
-                {"Error": {"Code": "InvalidResponse", "Message": "no UploadId"},
-                 "ResponseMetadata": self._metadata(response)},
-                "CreateMultipartUpload",
-            )  # fmt: skip
+        upload_id = parse_initiate(response.data)
         return {"UploadId": upload_id, "ResponseMetadata": self._metadata(response)}
 
     def upload_part(
@@ -419,16 +408,14 @@ class LeanS3Client:
         response = self._send(
             "CompleteMultipartUpload", "POST", Bucket, Key, query={"uploadId": UploadId}, headers=headers, body=[body]
         )
-        root = _parse_xml(response.data)
-        if root is not None and root.tag.endswith("Error"):  # S3 may fail a completion with a 200
+        answer = parse_complete(response.data)
+        if "Error" in answer:  # S3 may fail a completion with a 200
             from botocore.exceptions import ClientError
 
             raise ClientError(
-                {"Error": {"Code": _text(root, "Code") or "InternalError", "Message": _text(root, "Message") or ""},
-                 "ResponseMetadata": self._metadata(response)},
-                "CompleteMultipartUpload",
-            )  # fmt: skip
-        return {"ETag": _text(root, "ETag"), "ResponseMetadata": self._metadata(response)}
+                {"Error": answer["Error"], "ResponseMetadata": self._metadata(response)}, "CompleteMultipartUpload"
+            )
+        return {"ETag": answer["ETag"], "ResponseMetadata": self._metadata(response)}
 
     def abort_multipart_upload(self, *, Bucket: str, Key: str, UploadId: str) -> dict[str, Any]:  # noqa: N803
         response = self._send("AbortMultipartUpload", "DELETE", Bucket, Key, query={"uploadId": UploadId})
@@ -442,11 +429,7 @@ class LeanS3Client:
         response = self._send(
             "DeleteObjects", "POST", Bucket, query={"delete": ""}, headers={"content-md5": md5}, body=[body]
         )
-        root = _parse_xml(response.data)
-        errors = []
-        if root is not None:
-            for node in root.iter(_NS + "Error"):
-                errors.append({name: _text(node, name) for name in ("Key", "Code", "Message")})
+        errors = parse_delete(response.data)
         return {"Errors": errors, "ResponseMetadata": self._metadata(response)}
 
     def list_objects_v2(
@@ -461,25 +444,9 @@ class LeanS3Client:
         if ContinuationToken:
             query["continuation-token"] = ContinuationToken
         response = self._send("ListObjectsV2", "GET", Bucket, query=query)
-        root = _parse_xml(response.data)
-        contents = []
-        if root is not None:
-            for node in root.iter(_NS + "Contents"):
-                contents.append(
-                    {
-                        "Key": _text(node, "Key"),
-                        "Size": int(_text(node, "Size") or 0),
-                        "ETag": _text(node, "ETag"),
-                        "LastModified": _iso_time(_text(node, "LastModified")),
-                    }
-                )
-        truncated = (_text(root, "IsTruncated") or "false").lower() == "true"
-        return {
-            "Contents": contents,
-            "IsTruncated": truncated,
-            "NextContinuationToken": _text(root, "NextContinuationToken"),
-            "ResponseMetadata": self._metadata(response),
-        }
+        page = parse_list_v2(response.data)
+        page["ResponseMetadata"] = self._metadata(response)
+        return page
 
 
 def _default_ca_bundle() -> str | None:

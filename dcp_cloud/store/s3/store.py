@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..clients import shared_client
@@ -46,6 +47,27 @@ def _body(data: Payload) -> tuple[Any, list[memoryview]]:
 
 def _crc_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def _check_page(page: dict[str, Any], found: int, where: str) -> None:
+    """Refuse a listing page that says it holds more than was read from it, or that is no listing at all
+    (botocore parses any XML, or an HTML page, into an empty page): never an empty result by mistake."""
+    if not any(name in page for name in ("Name", "IsTruncated", "KeyCount")):
+        raise StoreError(
+            f"the S3 endpoint answered a listing of {where}* with something that is not a ListObjectsV2 answer: "
+            "check that the endpoint URL points at an S3 API (not a web page or a proxy)"
+        )
+    count = page.get("KeyCount")
+    if isinstance(count, int) and count > found:
+        raise StoreError(
+            f"S3 listed {where}* as {count} key(s) but {found} could be read from the answer: the server's "
+            "listing is not in a form dcp_cloud understands; report the server and its version"
+        )
+    if page.get("IsTruncated") and not page.get("NextContinuationToken"):
+        raise StoreError(
+            f"S3 listed {where}* as truncated without a continuation token: the rest of the listing cannot be "
+            "asked for; report the server and its version"
+        )
 
 
 class S3Store:
@@ -188,6 +210,16 @@ class S3Store:
         if isinstance(client, LeanS3Client):
             client.warm(self.bucket, min(connections, self.max_connections))
 
+    def trusts_create_only(self) -> bool:
+        """Whether the endpoint is AWS S3 itself, which refuses a create-only write of an existing key
+        (``If-None-Match: *``). S3-compatible servers vary; :mod:`dcp_cloud.dcp.createonly` probes them."""
+        try:
+            endpoint = self._client().meta.endpoint_url
+        except DcpCloudError:
+            return False
+        host = (urlsplit(endpoint).hostname or "").lower()
+        return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
     # -- helpers -------------------------------------------------------------
 
     def url(self, key: str) -> str:
@@ -277,13 +309,15 @@ class S3Store:
                 if token:
                     kwargs["ContinuationToken"] = token
                 page = self._client().list_objects_v2(**kwargs)
-                for item in page.get("Contents", ()):
+                contents = page.get("Contents") or ()
+                _check_page(page, len(contents), self.url(prefix))
+                for item in contents:
                     yield ObjectInfo(
                         item["Key"], int(item["Size"]), _etag(item.get("ETag")), _timestamp(item.get("LastModified"))
                     )
-                token = page.get("NextContinuationToken")
-                if not page.get("IsTruncated") or not token:
+                if not page.get("IsTruncated"):
                     break
+                token = page["NextContinuationToken"]
         except DcpCloudError:
             raise
         except Exception as exc:
@@ -393,8 +427,15 @@ class S3Store:
                 .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
             )
             for page in pages:
+                if not any(name in page for name in ("Bucket", "IsTruncated", "MaxUploads")):
+                    raise StoreError(
+                        f"the S3 endpoint answered a listing of the uploads under {self.url(prefix)}* with something "
+                        "that is not a ListMultipartUploads answer: check that the endpoint URL points at an S3 API"
+                    )
                 for item in page.get("Uploads", ()):
                     found.append(PendingUpload(item["Key"], item["UploadId"], _timestamp(item.get("Initiated"))))
+        except DcpCloudError:
+            raise
         except Exception as exc:
             raise self._fail(exc, prefix, "list the uploads under") from exc
         return found
