@@ -94,6 +94,10 @@ def test_other_answers_in_any_namespace(ns: str) -> None:
     assert parse_initiate(xml("InitiateMultipartUploadResult", "<UploadId>u-1</UploadId>")) == "u-1"
     assert parse_complete(xml("CompleteMultipartUploadResult", '<ETag>"x"</ETag>')) == {"ETag": '"x"'}
     assert parse_complete(xml("CompleteMultipartUploadResult", "<ETag></ETag>")) == {"ETag": None}  # Ceph RGW 16
+    # moto up to 5.2.1 wraps the answer in <{Operation}Response>; botocore reads it, so must we.
+    moto_521 = xml("CompleteMultipartUploadResponse", '<Location>http://b/k</Location><Key>k</Key><ETag>"y-1"</ETag>')
+    assert parse_complete(moto_521) == {"ETag": '"y-1"'}
+    assert parse_initiate(xml("CreateMultipartUploadResponse", "<UploadId>u-2</UploadId>")) == "u-2"
     failed = parse_complete(xml("Error", "<Code>InternalError</Code><Message>m</Message>"))
     assert failed == {"Error": {"Code": "InternalError", "Message": "m"}}
     assert parse_error(xml("Error", "<Code>NoSuchKey</Code><Message>gone</Message>")) == ("NoSuchKey", "gone")

@@ -4,7 +4,8 @@ Element names are matched by their local name whatever their namespace:
 AWS answers in ``http://s3.amazonaws.com/doc/2006-03-01/``, s3rver in
 ``http://doc.s3.amazonaws.com/2006-03-01/``, other servers in none at all,
 and botocore ignores namespaces too. A body that must be XML and is not, or
-whose root is not the element the request answers with, raises
+whose root is not the element the request answers with (or ``<{Operation}Response>``, the
+root moto up to 5.2.1 answers CompleteMultipartUpload with), raises
 :class:`MalformedResponseError` (the store translates it, as it does
 botocore's own ``ResponseParserError``); it never reads as an empty result.
 """
@@ -62,13 +63,15 @@ def _parse_xml(data: bytes) -> ElementTree.Element | None:
 def _parse_expected(data: bytes, root: str, operation: str) -> ElementTree.Element:
     """The root of a body that must be the XML element ``root``; MalformedResponseError otherwise.
 
-    Messages say what was wrong, never what the body held.
+    ``<{operation}Response>`` with the same children is accepted as well: servers whose answers are
+    generated from a generic serializer (moto up to 5.2.1) wrap them so, and botocore, which reads the
+    children whatever the root is called, accepts them. Messages say what was wrong, never what the body held.
     """
     node = _parse_xml(data)
     if node is None:
         what = "an empty body" if not data else f"{len(data)} bytes that are not XML"
         raise MalformedResponseError(f"{operation}: the server answered with {what}, not <{root}>")
-    if not _is(node, root):
+    if not (_is(node, root) or _is(node, f"{operation}Response")):
         raise MalformedResponseError(f"{operation}: the server answered <{_local(node.tag)}>, not <{root}>")
     return node
 
