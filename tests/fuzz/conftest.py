@@ -18,15 +18,11 @@ from typing import Any
 import pytest
 from fuzz_cases import Case, encode_case
 from fuzz_options import Target
+from fuzz_report import failure_text, say
 from fuzz_world import World
 
 from dcp_cloud.testing.moto_server import MotoServer, moto_env
 from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, moto_client
-
-#: The command that replays one case (the blob is the whole case).
-REPLAY = (
-    "DCP_CLOUD_FUZZ_REPLAY={blob} python -m pytest -p no:cacheprovider tests/fuzz/test_fuzz_differential.py -k replay"
-)
 
 
 @pytest.fixture(scope="session")
@@ -79,28 +75,11 @@ def fuzz_targets(moto_server: MotoServer, _fuzz_root: Path) -> Iterator[dict[str
 _ids = itertools.count()
 
 
-def failure_text(case: Case, outcome: Any, label: str) -> str:
-    """Everything a failing case says, ending with its one-line reproducer."""
-    lines = [f"fuzz case failed ({label})"]
-    if outcome.world_failure:
-        lines.append("the world of ranks failed:\n" + outcome.world_failure)
-    reports = outcome.reports
-    first = next((r for r in reports.values() if r.error), None)
-    if first is not None:
-        lines.append(f"phase {first.failed_phase!r} raised:\n{first.error}")
-    for rank in sorted(reports):
-        lines += reports[rank].mismatches
-    lines.append("the case:\n" + case.describe())
-    lines.append("reproduce: " + REPLAY.format(blob=encode_case(case)))
-    return "\n".join(lines)
-
-
 @pytest.fixture
 def run_case(
     fuzz_world: World, fuzz_targets: dict[str, Target], _fuzz_root: Path, request: pytest.FixtureRequest
 ) -> Callable[[Case, str], Any]:
     """``run_case(case, label)``: run one case on the world; raise AssertionError (with a reproducer) if it fails."""
-    reporter = request.config.pluginmanager.getplugin("terminalreporter")
     failed_before: dict[str, str] = {}
 
     def run(case: Case, label: str) -> Any:
@@ -113,9 +92,7 @@ def run_case(
         failed = outcome.world_failure or any(r.error or r.mismatches for r in outcome.reports.values())
         if failed:
             text = failed_before[blob] = failure_text(case, outcome, label)
-            if reporter is not None:
-                reporter.write_line("")
-                reporter.write_line("FUZZ FAILURE " + text.splitlines()[-1])
+            say(request.config, f"\nFUZZ FAILURE ({label}) " + text.splitlines()[-1])
             raise AssertionError(text)
         return outcome
 

@@ -81,6 +81,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("pool", "staging", (DEFAULT, False)),
     Option("background", "staging", (DEFAULT, True)),
     Option("slab_bytes", "staging", (DEFAULT, 1 * MiB)),
+    Option("pool_bytes", "staging", (DEFAULT, 0)),
     # -- S3Config ------------------------------------------------------------------------------------------
     Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
     # -- how the case calls DCP ----------------------------------------------------------------------------
@@ -90,6 +91,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("planner", "save", (DEFAULT, "balanced", "balanced_split")),
     #: dcp.load (DefaultLoadPlanner), or dcp_cloud.load (ScaleLoadPlanner).
     Option("api", "load", ("dcp", "dcp_cloud")),
+    #: A load by one process of a group outside DCP's collectives (an evaluation job): with w2 == 1 only
+    #: (ignored otherwise); its reader gets share_metadata=False and no group, as the reader's docs say.
+    Option("no_dist", "load", (False, True)),
     #: Save a base first (other values of the same items), then this case's state with base=.
     Option("incremental", "case", (False, True)),
 )

@@ -87,19 +87,21 @@ class CaseRun:
         staging = dcp_cloud.StagingConfig(**_given(by_scope(c.options, "staging")))
         return targets.writer(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, staging=staging, **kw)
 
+    @property
+    def no_dist(self) -> bool:
+        return bool(self.case.opt("no_dist")) and self.case.w2 == 1
+
     def _reader(self, uri: str) -> Any:
         import dcp_cloud
 
         c = self.case
         transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.load_transfer)))
-        return targets.reader(
-            self.target,
-            uri,
-            by_scope(c.options, "s3"),
-            transfer=transfer,
-            process_group=self.ranks.groups[c.w2],
-            **_given(by_scope(c.options, "reader")),
-        )
+        kw = _given(by_scope(c.options, "reader"))
+        if self.no_dist:
+            kw.update(share_metadata=False, process_group=None)
+        else:
+            kw.update(process_group=self.ranks.groups[c.w2])
+        return targets.reader(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, **kw)
 
     def _planner(self) -> Any:
         from dcp_cloud import BalancedSavePlanner
@@ -119,7 +121,7 @@ class CaseRun:
         writer = dcp.FileSystemWriter(str(self.work / "stock"), sync_files=False)
         dcp.save(state, storage_writer=writer, process_group=self.ranks.groups[self.case.w1])
 
-    def _load(self, reader: Any, api: str = "dcp") -> dict[str, Any]:
+    def _load(self, reader: Any, api: str = "dcp", no_dist: bool = False) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
         import dcp_cloud
@@ -127,7 +129,8 @@ class CaseRun:
         target = build(self.case, "load", FILLER, self.ranks)
         before = identities(self.case, target)
         load = dcp_cloud.load if api == "dcp_cloud" else dcp.load
-        load(target, storage_reader=reader, process_group=self.ranks.groups[self.case.w2])
+        where = {"no_dist": True} if no_dist else {"process_group": self.ranks.groups[self.case.w2]}
+        load(target, storage_reader=reader, **where)
         return snapshot_state(self.case, target, before)
 
     def stock_load(self) -> None:
@@ -166,7 +169,7 @@ class CaseRun:
             self._save(self.ours, FINAL)
 
     def load(self) -> None:
-        got = self._load(self._reader(self.ours), self.case.opt("api"))
+        got = self._load(self._reader(self.ours), self.case.opt("api"), self.no_dist)
         self.report.mismatches += differences(got, self.expected, f"our load, rank {self.rank}")
 
     def download(self) -> None:
@@ -192,7 +195,9 @@ class CaseRun:
         skippable = sum(int(info.length) for index, info in records.items() if index.fqn not in changed)
         stored, files = targets.stored_bytes(self.local / "ours")
         allowed = need + FOOTER_SLACK_PER_OBJECT * files + INCREMENTAL_SLACK
-        self.report.facts.update(incremental_stored=stored, changed_bytes=need, unchanged_bytes=skippable)
+        # Whether the check could fail at all: storing the unchanged items too would exceed the bound.
+        discriminating = stored + skippable > allowed
+        self.report.facts.update(stored=stored, changed=need, unchanged=skippable, objects=files, discriminating=discriminating)
         if stored > allowed:
             self.report.mismatches.append(
                 f"incremental save stored {stored} bytes in {files} objects, but its changed items take {need} "

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from fuzz_cases import Case, cases, decode_case
 from fuzz_options import Target
+from fuzz_report import say
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
@@ -52,16 +53,14 @@ def test_differential(
     request: pytest.FixtureRequest, run_case: Callable[[Case, str], Any], fuzz_targets: dict[str, Target]
 ) -> None:
     tier, count, seed = _tier(request.config)
-    reporter = request.config.pluginmanager.getplugin("terminalreporter")
     rerun = f"DCP_CLOUD_FUZZ_SEED={seed} " if seed is not None else ""
     rerun += f"python -m pytest tests/fuzz/test_fuzz_differential.py -k differential --fuzz-cases {count}"
     header = f"fuzz {tier} tier: {count} cases, " + ("derandomized" if seed is None else f"seed {seed}")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(f"{header}; rerun: {rerun if seed is not None else 'the same command'}")
+    say(request.config, f"\n{header}; rerun: {rerun if seed is not None else 'the same command'}")
     names = tuple(sorted(fuzz_targets))
     kinds = {name: t.kind for name, t in fuzz_targets.items()}
     done: list[float] = []
+    incremental: list[dict[str, Any]] = []
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("DCP_CLOUD_FUZZ_SHRINK") else [])
     started = time.monotonic()
 
@@ -79,18 +78,21 @@ def test_differential(
         label = f"case {len(done) + 1} of {count}, {header}"
         outcome = run_case(case, label)
         done.append(outcome.seconds)
+        incremental.append(outcome.reports[0].facts)
 
     if seed is not None:
         one = hypothesis_seed(seed)(one)
     try:
         one()
     finally:
-        if reporter is not None:
-            spent = time.monotonic() - started
-            reporter.write_line(
-                f"fuzz {tier} tier: {len(done)} cases passed in {spent:.0f} s "
-                f"(slowest case {max(done, default=0):.1f} s); {header}"
-            )
+        spent = time.monotonic() - started
+        checked = [f for f in incremental if f]
+        say(
+            request.config,
+            f"fuzz {tier} tier: {len(done)} cases passed in {spent:.0f} s (slowest {max(done, default=0):.1f} s); "
+            f"incremental byte checks: {len(checked)}, of which {sum(f['discriminating'] for f in checked)} "
+            "would have failed had nothing been skipped",
+        )
 
 
 def test_replay(run_case: Callable[[Case, str], Any]) -> None:
