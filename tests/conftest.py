@@ -133,6 +133,15 @@ class _GCSClient:
         self.client.bucket(bucket).blob(key).delete()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-cases",
+        type=int,
+        default=None,
+        help="run the long tier of the differential fuzzer (tests/fuzz) with this many cases and a fresh seed",
+    )
+
+
 @pytest.fixture(autouse=True)
 def _fresh_clients() -> Any:
     """SDK clients are shared per process; a test that hooks into one must not reach the next test."""

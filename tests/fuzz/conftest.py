@@ -1,0 +1,99 @@
+"""Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
+
+Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory). Another
+S3 server joins as one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its
+credentials in ``env``, its smallest multipart part); the fuzzer then draws it like the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fuzz_cases import Case, encode_case
+from fuzz_options import Target
+from fuzz_report import failure_text, say
+from fuzz_world import World
+
+from dcp_cloud.testing.moto_server import MotoServer, moto_env
+from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, moto_client
+
+
+@pytest.fixture(scope="session")
+def _fuzz_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")
+
+
+@pytest.fixture(scope="session")
+def fuzz_world(moto_server: MotoServer) -> Iterator[World]:
+    """Four gloo ranks that run case after case (started on first use; torn down at the end)."""
+    env = moto_env(moto_server)
+    env.update(
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        LOCAL_WORLD_SIZE="4",  # the default concurrency of a rank that shares its host
+    )
+    world = World(env, case_timeout_s=float(os.environ.get("DCP_CLOUD_FUZZ_CASE_TIMEOUT", "240")))
+    try:
+        yield world
+    finally:
+        world.stop()
+
+
+@pytest.fixture
+def fuzz_targets(moto_server: MotoServer, _fuzz_root: Path) -> Iterator[dict[str, Target]]:
+    """Every store a case may be drawn to run against, by name."""
+    bucket = f"fuzz-{uuid.uuid4().hex[:12]}"
+    client = moto_client(moto_server)
+    client.create_bucket(Bucket=bucket)
+    local = _fuzz_root / f"local-{bucket}"
+    local.mkdir()
+    try:
+        yield {
+            "s3-moto": Target(
+                "s3-moto",
+                "s3",
+                bucket,
+                endpoint_url=moto_server.endpoint_url,
+                env=moto_env(moto_server),
+                min_part_size=MOTO_MIN_PART_SIZE,
+            ),
+            # A "part" on disk can be any size; 64 KiB keeps small-part saves multipart without 1-byte parts.
+            "local": Target("local", "local", str(local), min_part_size=64 * 1024),
+        }
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        client.close()
+
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def run_case(
+    fuzz_world: World, fuzz_targets: dict[str, Target], _fuzz_root: Path, request: pytest.FixtureRequest
+) -> Callable[[Case, str], Any]:
+    """``run_case(case, label)``: run one case on the world; raise AssertionError (with a reproducer) if it fails."""
+    failed_before: dict[str, str] = {}
+
+    def run(case: Case, label: str) -> Any:
+        blob = encode_case(case)
+        if blob in failed_before:  # hypothesis replays the failing case: say the same without running it again
+            raise AssertionError(failed_before[blob])
+        case_id = f"case-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        workdir = _fuzz_root / case_id
+        outcome = fuzz_world.run((case, fuzz_targets[case.target], case_id, str(workdir)))
+        failed = outcome.world_failure or any(r.error or r.mismatches for r in outcome.reports.values())
+        if failed:
+            text = failed_before[blob] = failure_text(case, outcome, label)
+            say(request.config, f"\nFUZZ FAILURE ({label}) " + text.splitlines()[-1])
+            raise AssertionError(text)
+        return outcome
+
+    return run

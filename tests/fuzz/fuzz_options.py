@@ -1,0 +1,147 @@
+"""The fuzzer's option space: ONE declarative table, and the stores a case can run against.
+
+A new option of the writers, readers, transfer, staging or S3 configuration joins
+the fuzzer the day it is added, with one line in :data:`OPTIONS`::
+
+    Option("new_knob", "transfer", (DEFAULT, 0, 1 * MiB)),
+
+``DEFAULT`` means "leave it out": the product's default is what most users run, so
+it comes first and is where hypothesis shrinks to. Each case draws one value per
+option, independently; ``"transfer"`` options are drawn twice (once for the save,
+once for the load), since a checkpoint is usually read by another job than the one
+that wrote it.
+
+A new store is one more :class:`Target` (see ``tests/fuzz/conftest.py``, which builds
+them from the session's servers): another S3 server (s3rver, Ceph RGW) is a ``kind="s3"``
+target with its own endpoint, credentials and smallest multipart part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class _Default:
+    """The product's default: the keyword is not passed at all."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+#: A ``part_size`` value: the target's smallest multipart part (256 KiB on the moto fixture, 1 byte on disk).
+MIN_PART = "min_part"
+
+#: Where an option goes: TransferConfig (save and load each draw their own), the writer's or reader's
+#: keywords, StagingConfig, S3Config (S3 targets only), or how the case calls DCP.
+SCOPES = ("transfer", "writer", "reader", "staging", "s3", "save", "load", "case")
+
+
+@dataclass(frozen=True)
+class Option:
+    #: Keyword (or field) name, unique in the table.
+    name: str
+    #: One of :data:`SCOPES`.
+    scope: str
+    #: Values drawn from; the first is the shrink target (normally ``DEFAULT``).
+    values: tuple[Any, ...]
+    #: Target kinds it applies to (None: all).
+    kinds: tuple[str, ...] | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    # -- dcp_cloud.TransferConfig (drawn for the save and, separately, for the load) --------------------
+    Option("reshard_gap", "transfer", (DEFAULT, 0, 16 * MiB)),
+    Option("coalesce_gap", "transfer", (DEFAULT, 0, 1, 1 * MiB)),
+    Option("coalesce_ratio", "transfer", (DEFAULT, 0.0, 16.0)),
+    Option("read_chunk_size", "transfer", (DEFAULT, 4096, 12 * KiB)),
+    Option("part_size", "transfer", (DEFAULT, MIN_PART)),
+    Option("multipart_threshold", "transfer", (DEFAULT, 1)),
+    Option("max_inflight_parts", "transfer", (DEFAULT, 1, 2)),
+    Option("max_objects_per_rank", "transfer", (DEFAULT, 1, 3)),
+    Option("concurrency", "transfer", (DEFAULT, 1, 3)),
+    Option("checksum_block_size", "transfer", (DEFAULT, 4096)),
+    Option("verify_checksums", "transfer", (DEFAULT, False)),
+    Option("speculative_reads", "transfer", (DEFAULT, False)),
+    # -- S3Writer / LocalWriter keywords ------------------------------------------------------------------
+    Option("checksums", "writer", (DEFAULT, False)),
+    Option("compression", "writer", (DEFAULT, "zstd")),
+    Option("compression_level", "writer", (DEFAULT, 1)),
+    Option("spread_prefixes", "writer", (DEFAULT, True)),
+    # Of an incremental case, this is the *base* save's value (the incremental save passes base=).
+    Option("hashes", "writer", (DEFAULT, True, False)),
+    # -- S3Reader / LocalReader keywords ------------------------------------------------------------------
+    Option("share_metadata", "reader", (DEFAULT, False)),
+    Option("share_reads", "reader", (DEFAULT, False)),
+    # -- dcp_cloud.StagingConfig (what dcp.async_save stages into) ----------------------------------------
+    Option("pool", "staging", (DEFAULT, False)),
+    Option("background", "staging", (DEFAULT, True)),
+    Option("slab_bytes", "staging", (DEFAULT, 1 * MiB)),
+    Option("pool_bytes", "staging", (DEFAULT, 0)),
+    # -- S3Config ------------------------------------------------------------------------------------------
+    Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
+    # -- how the case calls DCP ----------------------------------------------------------------------------
+    #: dcp.save, or dcp.async_save through the writer's staging pool.
+    Option("async_save", "save", (False, True)),
+    #: DCP's DefaultSavePlanner, or dcp_cloud.BalancedSavePlanner (default size, or small enough to split).
+    Option("planner", "save", (DEFAULT, "balanced", "balanced_split")),
+    #: dcp.load (DefaultLoadPlanner), or dcp_cloud.load (ScaleLoadPlanner).
+    Option("api", "load", ("dcp", "dcp_cloud")),
+    #: A load by one process of a group outside DCP's collectives (an evaluation job): with w2 == 1 only
+    #: (ignored otherwise); its reader gets share_metadata=False and no group, as the reader's docs say.
+    Option("no_dist", "load", (False, True)),
+    #: Save a base first (other values of the same items), then this case's state with base=.
+    Option("incremental", "case", (False, True)),
+)
+
+_NAMES = [o.name for o in OPTIONS]
+assert len(_NAMES) == len(set(_NAMES)), "option names must be unique"
+assert all(o.scope in SCOPES for o in OPTIONS), "unknown scope"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One store a case can save to and load from (picklable: it travels to the ranks).
+
+    ``kind`` picks the writer/reader classes and the plain-SDK helpers the ranks use
+    (``"s3"``: S3Writer/S3Reader and boto3; ``"local"``: LocalWriter/LocalReader and
+    the filesystem). ``root`` is the bucket (s3) or directory (local) the cases write
+    under, each case under its own prefix.
+    """
+
+    name: str
+    kind: str
+    root: str
+    #: S3 endpoint (None: local).
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    #: Environment the ranks set before a case on this target (credentials of an S3 server).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Smallest multipart part the store accepts (what ``part_size=MIN_PART`` means there).
+    min_part_size: int = 1
+    #: Largest part and most parts (S3's).
+    max_part_size: int = 5 * 1024 * MiB
+    max_parts: int = 10_000
+
+
+def applicable(option: Option, kind: str) -> bool:
+    return option.kinds is None or kind in option.kinds
+
+
+def by_scope(values: dict[str, Any], scope: str) -> dict[str, Any]:
+    """The drawn values of one scope, without the DEFAULTs (keywords to pass)."""
+    scoped = {o.name for o in OPTIONS if o.scope == scope}
+    return {k: v for k, v in values.items() if k in scoped and not isinstance(v, _Default)}
+
+
+def encode_value(value: Any) -> Any:
+    """JSON form of an option value (DEFAULT becomes the string "DEFAULT")."""
+    return "DEFAULT" if isinstance(value, _Default) else value
+
+
+def decode_value(value: Any) -> Any:
+    return DEFAULT if value == "DEFAULT" else value

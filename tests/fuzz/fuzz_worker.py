@@ -1,0 +1,262 @@
+"""One fuzz case on one rank: the phases, their oracle checks, and the report sent back to the launcher.
+
+Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alone):
+
+1. ``stock save``: stock ``FileSystemWriter`` saves the case's state (save layout, ``w1`` ranks);
+2. ``stock load``: stock ``FileSystemReader`` loads it into the load layout (``w2`` ranks): the
+   expected leaves; they must also equal the values the case was built from (else the *oracle* is
+   wrong: a generator bug, or a torch one);
+3. ``base save`` (incremental cases): our writer saves the base (other values of the changed items);
+4. ``save``: our writer saves the state (``dcp.save``, or ``dcp.async_save`` through the staging
+   pool, scribbling over the state once it is staged); incremental cases pass ``base=``;
+5. ``load``: our reader loads it into a fresh load layout: must equal the expected leaves bitwise;
+6. ``download`` (rank 0): every object of the case copied to disk with plain boto3;
+7. ``stock load of ours``: stock ``FileSystemReader`` loads the downloaded copy: must equal too;
+8. ``incremental bytes`` (rank 0): the incremental save stored about the changed items' bytes only.
+
+After every phase the ranks exchange their errors over the world, so that one rank's failure
+ends the case on every rank (a phase that hangs is the launcher's deadline's business).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fuzz_targets as targets
+import torch.distributed as dist
+from fuzz_cases import Case
+from fuzz_options import Target, by_scope
+from fuzz_state import BASE, FILLER, FINAL, build, differences, identities, scribble, snapshot_state
+
+#: Bytes an incremental save may store beyond the changed items, per object it writes (index footer,
+#: alignment) and in all; measured footers of the fuzzer's objects stay under a few hundred bytes.
+FOOTER_SLACK_PER_OBJECT = 4096
+INCREMENTAL_SLACK = 4096
+_TRACE_LINES = 40
+
+
+@dataclass
+class RankReport:
+    rank: int
+    #: The errors of the first phase that failed, on any rank (every rank reports all of them).
+    error: str = ""
+    failed_phase: str = ""
+    #: One line per leaf or property that differs from the oracle.
+    mismatches: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    from fuzz_options import _Default
+
+    return {k: v for k, v in values.items() if not isinstance(v, _Default)}
+
+
+class CaseRun:
+    def __init__(self, ranks: Any, case: Case, target: Target, case_id: str, workdir: str) -> None:
+        self.ranks, self.case, self.target, self.case_id = ranks, case, target, case_id
+        self.work = Path(workdir)
+        self.rank = ranks.rank
+        self.report = RankReport(self.rank)
+        self.expected: dict[str, Any] = {}
+        self.incremental = bool(case.opt("incremental"))
+        self.ours = targets.case_uri(target, case_id, "ours")
+        self.base = targets.case_uri(target, case_id, "base")
+        self.local = self.work / "download" if target.kind == "s3" else Path(target.root, case_id)
+        if target.kind == "local":  # a local checkpoint's parent directory is its "bucket": it must exist
+            self.local.mkdir(parents=True, exist_ok=True)
+
+    # -- options --------------------------------------------------------------------------------------
+    def _writer(self, uri: str, **extra: Any) -> Any:
+        import dcp_cloud
+
+        c = self.case
+        kw = _given(by_scope(c.options, "writer"))
+        if "base" in extra:  # the drawn hashes= is the base's; the incremental save keeps its default
+            kw.pop("hashes", None)
+        kw.update(extra)
+        transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.save_transfer)))
+        staging = dcp_cloud.StagingConfig(**_given(by_scope(c.options, "staging")))
+        return targets.writer(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, staging=staging, **kw)
+
+    @property
+    def no_dist(self) -> bool:
+        return bool(self.case.opt("no_dist")) and self.case.w2 == 1
+
+    def _reader(self, uri: str) -> Any:
+        import dcp_cloud
+
+        c = self.case
+        transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.load_transfer)))
+        kw = _given(by_scope(c.options, "reader"))
+        if self.no_dist:
+            kw.update(share_metadata=False, process_group=None)
+        else:
+            kw.update(process_group=self.ranks.groups[c.w2])
+        return targets.reader(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, **kw)
+
+    def _planner(self) -> Any:
+        from dcp_cloud import BalancedSavePlanner
+
+        choice = self.case.opt("planner")
+        if choice == "balanced":
+            return BalancedSavePlanner()
+        if choice == "balanced_split":
+            return BalancedSavePlanner(min_chunk_bytes=256)
+        return None
+
+    # -- phases ---------------------------------------------------------------------------------------
+    def stock_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = build(self.case, "save", FINAL, self.ranks)
+        writer = dcp.FileSystemWriter(str(self.work / "stock"), sync_files=False)
+        dcp.save(state, storage_writer=writer, process_group=self.ranks.groups[self.case.w1])
+
+    def _load(self, reader: Any, api: str = "dcp", no_dist: bool = False) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        import dcp_cloud
+
+        target = build(self.case, "load", FILLER, self.ranks)
+        before = identities(self.case, target)
+        load = dcp_cloud.load if api == "dcp_cloud" else dcp.load
+        where = {"no_dist": True} if no_dist else {"process_group": self.ranks.groups[self.case.w2]}
+        load(target, storage_reader=reader, **where)
+        return snapshot_state(self.case, target, before)
+
+    def stock_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.expected = self._load(dcp.FileSystemReader(str(self.work / "stock")))
+        truth = snapshot_state(self.case, build(self.case, "load", FINAL, self.ranks), None)
+        plain = {k: v[:-1] if v[0] in ("tensor", "shards") else v for k, v in self.expected.items()}
+        what = f"ORACLE (stock torch vs the values the case was built from), rank {self.rank}"
+        self.report.mismatches += differences(plain, truth, what)
+
+    def _save(self, uri: str, which: str, **extra: Any) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+        state = build(self.case, "save", which, self.ranks)
+        writer = self._writer(uri, **extra)
+        group = self.ranks.groups[self.case.w1]
+        if not self.case.opt("async_save"):
+            dcp.save(state, storage_writer=writer, planner=self._planner(), process_group=group)
+            return
+        response = dcp.async_save(state, storage_writer=writer, planner=self._planner(), process_group=group)
+        if isinstance(response, AsyncSaveResponse):
+            response.staging_completion.result()
+            response = response.upload_completion
+        scribble(self.case, state)  # training goes on: the checkpoint must hold the staged values
+        response.result()
+
+    def base_save(self) -> None:
+        self._save(self.base, BASE)
+
+    def save(self) -> None:
+        if self.incremental:
+            self._save(self.ours, FINAL, base=self.base)
+        else:
+            self._save(self.ours, FINAL)
+
+    def load(self) -> None:
+        got = self._load(self._reader(self.ours), self.case.opt("api"), self.no_dist)
+        self.report.mismatches += differences(got, self.expected, f"our load, rank {self.rank}")
+
+    def download(self) -> None:
+        targets.download(self.target, self.case_id, self.local)
+
+    def stock_load_ours(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        got = self._load(dcp.FileSystemReader(str(self.local / "ours")))
+        self.report.mismatches += differences(got, self.expected, f"stock load of our download, rank {self.rank}")
+
+    def incremental_bytes(self) -> None:
+        """The incremental save stored about the bytes of the changed items, whatever the base was saved with."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.case.opt("hashes") is False:
+            # hashes=False: the base recorded no content hashes, so nothing can be skipped; the save
+            # must still be correct (checked by the loads), but uploading everything is right here.
+            return
+        records = dcp.FileSystemReader(str(self.local / "base")).read_metadata().storage_data
+        changed = {".".join(map(str, it.path)) for it in self.case.items if it.changed or it.kind != "tensor"}
+        need = sum(int(info.length) for index, info in records.items() if index.fqn in changed)
+        skippable = sum(int(info.length) for index, info in records.items() if index.fqn not in changed)
+        stored, files = targets.stored_bytes(self.local / "ours")
+        allowed = need + FOOTER_SLACK_PER_OBJECT * files + INCREMENTAL_SLACK
+        # Whether the check could fail at all: storing the unchanged items too would exceed the bound.
+        discriminating = stored + skippable > allowed
+        self.report.facts.update(stored=stored, changed=need, unchanged=skippable, objects=files, discriminating=discriminating)
+        if stored > allowed:
+            self.report.mismatches.append(
+                f"incremental save stored {stored} bytes in {files} objects, but its changed items take {need} "
+                f"(allowed {allowed}); {skippable} bytes of unchanged items were in the base "
+                f"(base saved with hashes={self.case.opt('hashes')!r})"
+            )
+
+    # -- driver ---------------------------------------------------------------------------------------
+    def phases(self) -> list[tuple[str, int, Any]]:
+        c = self.case
+        out: list[tuple[str, int, Any]] = [("stock save", c.w1, self.stock_save), ("stock load", c.w2, self.stock_load)]
+        if self.incremental:
+            out.append(("base save", c.w1, self.base_save))
+        out += [
+            ("save", c.w1, self.save),
+            ("load", c.w2, self.load),
+            ("download", 1, self.download),
+            ("stock load of ours", c.w2, self.stock_load_ours),
+        ]
+        if self.incremental:
+            out.append(("incremental bytes", 1, self.incremental_bytes))
+        return out
+
+
+def run_case(
+    ranks: Any, case: Case, target: Target, case_id: str, workdir: str, notify: Callable[[str], None]
+) -> RankReport:
+    """Run every phase of ``case`` on this rank (all ranks of the world call this together); ``notify``
+    tells the launcher of this rank's error at once (should the other ranks then hang)."""
+    if ranks.last_target != target.name:
+        import dcp_cloud
+
+        os.environ.update(target.env)
+        dcp_cloud.close_clients()
+        ranks.last_target = target.name
+    run = CaseRun(ranks, case, target, case_id, workdir)
+    try:
+        for name, width, fn in run.phases():
+            error = ""
+            started = time.perf_counter()
+            if ranks.rank < width:
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - reported with the case
+                    lines = traceback.format_exc().splitlines()
+                    text = "\n".join(lines[-_TRACE_LINES:])
+                    error = f"--- rank {ranks.rank}, phase {name!r}: {type(exc).__name__}\n{text}"
+                    notify(error)
+            run.report.timings[name] = time.perf_counter() - started
+            errors: list[str] = [""] * ranks.size
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                run.report.failed_phase = name
+                run.report.error = "\n".join(e for e in errors if e)
+                break
+    finally:
+        if ranks.rank == 0 and not os.environ.get("DCP_CLOUD_FUZZ_KEEP"):
+            try:
+                targets.remove(target, case_id)
+            finally:
+                shutil.rmtree(run.work, ignore_errors=True)
+    return run.report

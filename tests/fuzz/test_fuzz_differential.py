@@ -1,0 +1,103 @@
+"""Differential fuzzing against stock DCP: random state dicts, layouts, world sizes, stores and options.
+
+Each case (see ``fuzz_cases`` and ``fuzz_worker``) is saved on ``w1`` ranks and loaded on ``w2``
+ranks into another layout of the same values, through our writer and reader (S3 on moto, or a
+local directory) with a random option set; stock ``FileSystemWriter``/``FileSystemReader`` on the
+same case give the expected leaves, which ours, and a stock load of our checkpoint downloaded to
+disk, must equal bit for bit. Incremental cases also check that only about the changed bytes were
+stored.
+
+Tiers:
+
+* CI (the default): :data:`CI_CASES` cases, derandomized (the same cases on every run);
+* long, before a release: ``pytest tests/fuzz --fuzz-cases 2000`` (or ``DCP_CLOUD_FUZZ_CASES=2000``):
+  a fresh random seed, printed; ``DCP_CLOUD_FUZZ_SEED=<seed>`` replays a run;
+* replay of one case: every failure prints ``DCP_CLOUD_FUZZ_REPLAY=<case> pytest ... -k replay``.
+
+``DCP_CLOUD_FUZZ_SHRINK=1`` lets hypothesis shrink a failing case (each step re-runs it on the ranks,
+so it is off by default); ``DCP_CLOUD_FUZZ_KEEP=1`` keeps each case's files.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fuzz_cases import Case, cases, decode_case
+from fuzz_options import Target
+from fuzz_report import say
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+#: Cases of the CI tier (sized for <= 5 minutes on a 2-core machine, world start included).
+CI_CASES = 60
+
+
+def _tier(config: pytest.Config) -> tuple[str, int, int | None]:
+    """(name, cases, seed): seed None means derandomized (the CI tier)."""
+    asked = config.getoption("--fuzz-cases", default=None) or os.environ.get("DCP_CLOUD_FUZZ_CASES")
+    seed_text = os.environ.get("DCP_CLOUD_FUZZ_SEED")
+    seed = int(seed_text) if seed_text else None
+    if asked:
+        return "long", int(asked), seed if seed is not None else random.SystemRandom().randrange(2**32)
+    return "ci", CI_CASES, seed
+
+
+def test_differential(
+    request: pytest.FixtureRequest, run_case: Callable[[Case, str], Any], fuzz_targets: dict[str, Target]
+) -> None:
+    tier, count, seed = _tier(request.config)
+    rerun = f"DCP_CLOUD_FUZZ_SEED={seed} " if seed is not None else ""
+    rerun += f"python -m pytest tests/fuzz/test_fuzz_differential.py -k differential --fuzz-cases {count}"
+    header = f"fuzz {tier} tier: {count} cases, " + ("derandomized" if seed is None else f"seed {seed}")
+    say(request.config, f"\n{header}; rerun: {rerun if seed is not None else 'the same command'}")
+    names = tuple(sorted(fuzz_targets))
+    kinds = {name: t.kind for name, t in fuzz_targets.items()}
+    done: list[float] = []
+    incremental: list[dict[str, Any]] = []
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("DCP_CLOUD_FUZZ_SHRINK") else [])
+    started = time.monotonic()
+
+    @settings(
+        max_examples=count,
+        derandomize=seed is None,
+        database=None,
+        deadline=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(cases(names, kinds))
+    def one(case: Case) -> None:
+        label = f"case {len(done) + 1} of {count}, {header}"
+        outcome = run_case(case, label)
+        done.append(outcome.seconds)
+        incremental.append(outcome.reports[0].facts)
+
+    if seed is not None:
+        one = hypothesis_seed(seed)(one)
+    try:
+        one()
+    finally:
+        spent = time.monotonic() - started
+        checked = [f for f in incremental if f]
+        say(
+            request.config,
+            f"fuzz {tier} tier: {len(done)} cases passed in {spent:.0f} s (slowest {max(done, default=0):.1f} s); "
+            f"incremental byte checks: {len(checked)}, of which {sum(f['discriminating'] for f in checked)} "
+            "would have failed had nothing been skipped",
+        )
+
+
+def test_replay(run_case: Callable[[Case, str], Any]) -> None:
+    """Replay the one case of ``DCP_CLOUD_FUZZ_REPLAY`` (printed by a failing run)."""
+    blob = os.environ.get("DCP_CLOUD_FUZZ_REPLAY")
+    if not blob:
+        pytest.skip("set DCP_CLOUD_FUZZ_REPLAY to a case printed by a failing fuzz run")
+    run_case(decode_case(blob), "replay")
