@@ -8,7 +8,8 @@ load must equal stock torch's bit for bit (the fuzzer's oracle: see ``fuzz_worke
 * C: EnumerableShardingSpec, rows [0,2) r0, [2,3) r1, [3,6) r0, [6,9) r1, [9,10) r0;
 * D: EnumerableShardingSpec, rows [0,8) r1, [8,10) r0.
 
-In A->B, A->C, D->B and D->C a rank reads two or more pieces of one stored chunk.
+In A->B, A->C, D->B and D->C a rank reads two or more pieces of one stored chunk (these four raised
+before the read plan accepted overlapping and unordered pieces).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ def _case(save: str, load: str) -> Case:
     return default_case(2, 2, "s3-moto", "s3", (item,))
 
 
-@pytest.mark.xfail(strict=True, reason="regression 1 of issue 31; fixed on main")
 @pytest.mark.parametrize("pair", ["A->B", "A->C", "D->B", "D->C"])
 def test_sharded_tensor_reshard_loads_bitwise(pair: str, run_case: Callable[[Case, str], Any]) -> None:
     save, load = pair.split("->")
