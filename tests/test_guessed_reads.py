@@ -381,6 +381,23 @@ def test_a_request_sent_early_for_the_budget_sends_the_footer_first(concurrency:
     assert reader.stats.peak_buffer_bytes <= transfer.memory_budget + 8 * MiB  # one item may exceed the budget
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_an_item_larger_than_the_budget_leaves_room_for_the_discard_buffer(speculative: bool) -> None:
+    """The 8 MiB first item needs a float64 temporary larger than the whole 2 MiB budget, and its object is
+    read in 1 MiB requests with gaps (the discard buffer): the discard buffer's lease found the budget held
+    by that item, whose rest was still to be read by this very thread, and waited for it forever."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state)
+    transfer = TransferConfig(
+        read_chunk_size=1 * MiB, part_size=1 * MiB, max_inflight_parts=2, speculative_reads=speculative
+    )
+    target = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in _blank(state).items()}
+    _within(30, lambda: _load(mem, target, transfer))
+    for k, v in state.items():
+        assert torch.equal(target[k], v.detach().to(target[k].dtype)), k
+
+
 # ------------------------------------------------------------------------------------------ over the wire
 
 

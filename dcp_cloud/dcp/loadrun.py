@@ -155,17 +155,25 @@ class LoadRun:
 
         Returns the bytes leased: at most what the budget can ever hold
         beside the discard buffer (one item larger than that is allowed, as
-        a single lease larger than the budget always was).
+        a single lease larger than the budget always was). When nothing is
+        left to land, what holds the budget is this run's own items still
+        being read (one larger than the budget, its rest in requests not yet
+        built), which only this thread could return: the lease takes what is
+        free rather than wait for itself.
         """
         budget = self.engine.budget
+        stuck = False
         while budget.used + nbytes > budget.capacity:
             if self.pending:
                 self.land(self.pending.popleft())
             elif self._b_outs:
                 self._send()
             else:
+                stuck = True
                 break
         grant = max(0, min(nbytes, budget.capacity - self._reserved))
+        if stuck:
+            grant = min(grant, max(0, budget.capacity - budget.used))
         budget.acquire(grant)
         self._held += grant
         return grant
