@@ -20,7 +20,6 @@ from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -42,7 +41,7 @@ from .contenthash import ItemHasher
 from .contenthash import digest as content_digest
 from .footer import FooterEntry
 from .footer import encode as encode_footer
-from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
+from .itemtap import _ItemTap, write_tensor
 from .layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
@@ -55,11 +54,9 @@ from .layout import (
     storage_info,
 )
 from .metashare import in_process_group
-from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
 from .stripes import Committer, split_runs, stripe_count, stripe_name
-from .tensorbytes import tensor_bytes
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -372,47 +369,11 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             start = tap.start
         else:
             start = stream.tell()
-            raw_offset, checked = self._write_tensor(stream, data, hasher, item)
+            raw_offset, checked = write_tensor(stream, data, hasher, self._alignment, item.index.fqn)
         length = stream.tell() - start
         extras = ItemExtras(raw_offset, checked, block, hasher.crcs())
         result = WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, start, length))
         return result, FooterEntry(start, extras, digest if digest is not None else hasher.content_digest())
-
-    def _write_tensor(self, stream: ObjectWriter, data: Any, hasher: ItemHasher, item: WriteItem) -> tuple[int, int]:
-        """torch.save ``data`` into the stream; returns the offset of its raw bytes in what was written, and
-        their length."""
-        layout = framing.layout_of(data, self._alignment) if self._alignment else None
-        frame = framing.known(layout) if layout is not None else None
-        if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory
-            return _write_framed(stream, data, frame, hasher, data), data.nbytes
-        # A plain tensor that owns exactly its bytes is used as it is: detach()
-        # would give the same bytes and the same torch.save output, at the price
-        # of a torch op (see .tensorbytes) for each of thousands of items.
-        tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
-        # The caller's memory is uploaded in place (``data`` stays referenced
-        # with it); a temporary host copy is copied into part buffers instead,
-        # so it can be freed at once (kept alive by in-flight parts,
-        # temporaries would add to peak memory).
-        owner = None if temporary else (tensor, data)
-        tap = _ItemTap(stream, tensor, hasher, owner=owner, capture=layout is not None)
-        try:
-            save_tensor(tensor, tap)
-        except BaseException:
-            # torch's zip writer turns an exception of write() into its own
-            # RuntimeError ("unexpected pos ..."): surface the store's typed error.
-            if tap.error is not None:
-                raise tap.error from None
-            raise
-        tap.finish()
-        if tap.raw_offset is None and tensor.nbytes == 0:
-            return 0, 0  # nothing to read back
-        if tap.raw_offset is None:
-            raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
-        captured = tap.framing
-        if layout is not None and captured is not None:
-            values = tensor_bytes(tensor, writable=False)
-            framing.learn(layout, *captured, crc32c.crc32c(values).to_bytes(4, "big"))
-        return tap.raw_offset, tensor.nbytes
 
     # -- commit -----------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
