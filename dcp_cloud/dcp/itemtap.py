@@ -122,9 +122,12 @@ def _write_framed(
     raw = tensor_bytes(tensor, writable=False)
     if hasher is not None:
         hasher.update(raw)
-    if owner is not None and len(raw) >= MIN_BORROWED_WRITE:
+    if len(raw) >= MIN_BORROWED_WRITE:
         sink.write(header)
-        sink.write_view(raw, owner)
+        if owner is not None:
+            sink.write_view(raw, owner)
+        else:  # a temporary: copied into part buffers once, not held
+            sink.write(raw)
         sink.write(trailer)
     else:
         whole = bytearray(header)
@@ -173,14 +176,20 @@ def _plain_and_exact(data: Any) -> bool:
 def write_tensor(stream: ObjectWriter, data: Any, hasher: Hasher, alignment: int, fqn: str) -> tuple[int, int]:
     """torch.save ``data`` (the tensor item ``fqn``) into the stream; returns the offset of its raw bytes in what
     was written, and their length. ``alignment``: torch.save's storage alignment (0: do not use learned framing)."""
+    gathered = False
+    if isinstance(data, torch.Tensor) and data.device.type == "cpu" and not data.is_contiguous():
+        # a strided box of a larger tensor (a column tile): gathered once into a temporary that is copied
+        # into part buffers (from the byte budget) and freed, never held in memory by the upload
+        data, gathered = data.detach().contiguous(), True
     layout = framing.layout_of(data, alignment) if alignment else None
     frame = framing.known(layout) if layout is not None else None
     if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory
-        return _write_framed(stream, data, frame, hasher, data), data.nbytes
+        return _write_framed(stream, data, frame, hasher, None if gathered else data), data.nbytes
     # A plain tensor that owns exactly its bytes is used as it is: detach()
     # would give the same bytes and the same torch.save output, at the price
     # of a torch op (see .tensorbytes) for each of thousands of items.
     tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
+    temporary = temporary or gathered
     # The caller's memory is uploaded in place (``data`` stays referenced
     # with it); a temporary host copy is copied into part buffers instead,
     # so it can be freed at once (kept alive by in-flight parts,

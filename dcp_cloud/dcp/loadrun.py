@@ -368,6 +368,7 @@ class LoadRun:
         url: str,
         entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
         rider: Rider | None = None,
+        tiled: bool = False,
     ) -> None:
         """Read the items of object ``key`` (``(req, info, extras, what, sink)``, in any order) with coalesced
         requests; the first requests go out while later items are still being planned. An item with a
@@ -380,7 +381,11 @@ class LoadRun:
         GET is queued with that request. Until the footer is in, the object's earlier requests leave the
         checks that need it (guessed extras) to the main thread, which lands them in order (sending the
         footer's own GET first if the request to carry it is not on its way yet): no worker ever waits for
-        a footer queued behind it."""
+        a footer queued behind it.
+
+        ``tiled``: the object was written by a tiled save (see :mod:`dcp_cloud.planner.tiles`), whose tiles
+        were cut so that a load reads only what it wants: no gap is read through as one between neighbours
+        (``reshard_gap``), only within ``coalesce_gap`` and ``coalesce_ratio``."""
         owners: list[LoadItem] = []
         block_of = self.transfer.verify_checksums
         ordered = sorted(entries, key=lambda e: int(e[1].offset))  # stable: a no-op pass for sorted entries
@@ -406,7 +411,7 @@ class LoadRun:
             ratio=t.coalesce_ratio,
             chunk=self.chunk,
             free_gap=FRAMING_GAP,
-            neighbour_gap=t.reshard_gap if t.coalesce_gap else 0,  # coalesce_gap=0: byte-exact
+            neighbour_gap=t.reshard_gap if t.coalesce_gap and not tiled else 0,  # coalesce_gap=0: byte-exact
         )
         self._late = rider
         for request in requests:

@@ -16,6 +16,7 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from torch.futures import Future
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..planner.load import share_chunk_lists
+from ..planner.tiles import TileMap, tile_plan
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
 from . import compression as _compression
@@ -45,6 +47,7 @@ from .itemtap import _ItemTap, write_tensor
 from .layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
+    TILED_RESULT_ATTR,
     ItemExtras,
     dump_metadata,
     is_shard_path,
@@ -72,12 +75,24 @@ class _ShardPlan:
 
 
 def _item_nbytes(item: WriteItem) -> int:
+    """Bytes of the item's whole tensor (all chunks); 0 for a bytes item."""
     if item.tensor_data is None:
         return 0
     numel = 1
     for s in item.tensor_data.size:
         numel *= s
     return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _chunk_nbytes(item: WriteItem) -> int:
+    """Bytes of the item itself (its chunk); 0 for a bytes item."""
+    td = item.tensor_data
+    if td is None:
+        return 0
+    numel = 1
+    for s in td.size if td.chunk is None else td.chunk.sizes:
+        numel *= s
+    return numel * torch._utils._element_size(td.properties.dtype)
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
@@ -117,6 +132,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         #: Record each item's content hash in its object's footer, so this checkpoint can be a base.
         self.hashes = True if hashes is None else bool(hashes)
         self._base_footers: dict[str, tuple[int, int]] = {}
+        #: The base's objects (relative to this checkpoint) that a tiled save wrote.
+        self._base_tiled: frozenset[str] = frozenset()
         self.overwrite = overwrite
         self.checksums = checksums
         #: ``"zstd"``: every item stored as torch's ZStandard extension stores it (see .compression).
@@ -132,6 +149,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self.save_id = ""
         self._started = 0.0
         self._alignment = 0
+        #: The chunks this rank's plan cut into tiles (``TransferConfig.column_tiles``; see planner.tiles).
+        self._tiles = TileMap()
         self._begin()
 
     # -- staging (torch's AsyncStager) --------------------------------------
@@ -242,7 +261,14 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     # -- planning ---------------------------------------------------------
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Cut large chunks into column tiles when ``TransferConfig.column_tiles`` asks for it (see
+        :mod:`dcp_cloud.planner.tiles`): before the global plan, so the metadata records the tiles."""
+        self._tiles = TileMap()
+        return tile_plan(plan, self.transfer.column_tiles, self.transfer.part_size, self._tiles)
+
+    @property
+    def _tiles_on(self) -> bool:
+        return self.transfer.column_tiles >= 2
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)
@@ -251,6 +277,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
             index = incremental.read_base(self._retrying(), base, self.uri)
             self._base_footers = index.footers
+            self._base_tiled = index.tiled
         return [
             dataclasses.replace(
                 plan,
@@ -273,15 +300,18 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        tiles = self._tiles
+        resolve = planner.resolve_data if not tiles else lambda item: tiles.resolve(item, planner.resolve_data)
         with self._engine() as engine:
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
-            base = incremental.sort_out(items, refs, planner.resolve_data, _item_nbytes)
+            base = incremental.sort_out(items, refs, resolve, _item_nbytes)
             done = {wr.index for wr in base.unchanged}
             items = [it for it in items if it.index not in done]
             # torch.save's storage alignment, read once per save (a process setting that framing depends on)
             self._alignment = framing.storage_alignment() if items else 0
-            peak = self._write_items(engine, shard, items, planner, base, results) if items else 0
+            peak = self._write_items(engine, shard, items, resolve, base, results) if items else 0
+        tiles.done()
         results.extend(base.unchanged)
         self._recorder.add_reused(sum(int(wr.storage_data.length) for wr in base.unchanged))
         self._recorder.add_unchecked(sum(base.unchecked.values()))
@@ -298,7 +328,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         engine: Any,
         shard: _ShardPlan,
         items: list[WriteItem],
-        planner: SavePlanner,
+        resolve: Callable[[WriteItem], Any],
         base: incremental.Sorted,
         results: list[WriteResult],
     ) -> int:
@@ -316,7 +346,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 for i in run:
                     item = items[i]
                     data, digest = base.hashed.pop(item.index, (None, None))
-                    result, entry = self._write_item(stream, name, item, planner, data, digest)
+                    result, entry = self._write_item(stream, name, item, resolve, data, digest)
                     unchecked = base.unchecked.get(item.index)
                     if unchecked is not None:
                         setattr(result.storage_data, incremental.UNCHECKED_RESULT_ATTR, unchecked)
@@ -326,6 +356,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 # object's first result.
                 footer = encode_footer(entries)
                 setattr(results[first].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
+                if self._tiles_on:
+                    setattr(results[first].storage_data, TILED_RESULT_ATTR, True)
                 stream.write(footer)
                 committer.commit(stream)
             committer.wait()
@@ -336,14 +368,18 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         stream: ObjectWriter,
         name: str,
         item: WriteItem,
-        planner: SavePlanner,
+        resolve: Callable[[WriteItem], Any],
         data: Any = None,
         digest: bytes | None = None,
     ) -> tuple[WriteResult, FooterEntry]:
-        """Write one item; its block CRCs, and (recording hashes) its content hash unless ``digest`` is it
-        already, are computed in the same pass over its bytes."""
-        block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
-        data = planner.resolve_data(item) if data is None else data
+        """Write one item (``resolve``: the planner's resolve_data, or the tiles' over it); its block CRCs,
+        and (recording hashes) its content hash unless ``digest`` is it already, are computed in the same
+        pass over its bytes."""
+        # Tiled saves size blocks by the item (a tile is a fraction of its tensor): the reads of a tile's rows
+        # are widened to blocks of its own scale
+        basis = _chunk_nbytes(item) if self._tiles_on else _item_nbytes(item)
+        block = checksum_block_for(basis, self.transfer.checksum_block_size) if self.checksums else 0
+        data = resolve(item) if data is None else data
         if self.compression is not None:  # the hash is of the bytes before compression
             if digest is None and self.hashes:
                 digest = content_digest(data)
@@ -379,6 +415,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = {}
         footers: dict[str, tuple[int, int]] = {}
+        tiled: dict[str, bool] = {}
         for rank_results in results:
             for wr in rank_results:
                 info = wr.storage_data
@@ -386,10 +423,13 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
                 if place is not None:  # on the first result of each object (see stripes)
                     footers[info.relative_path] = place
+                if info.__dict__.pop(TILED_RESULT_ATTR, False):
+                    tiled[info.relative_path] = True
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         referenced, reused, unchecked = incremental.collect(results, self._base_footers)
-        set_footer_table(metadata, {**footers, **referenced})
+        tiled.update({path: True for path in referenced if path in self._base_tiled})
+        set_footer_table(metadata, {**footers, **referenced}, tiled)
         share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
         metadata.version = DCP_VERSION
         body = dump_metadata(metadata)
