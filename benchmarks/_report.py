@@ -128,6 +128,39 @@ def _cpu_table(summary: dict[str, Any], cores: int) -> str:
     )
 
 
+#: The resharded load's goal (issue 33): 4 -> 3 at this fraction of the same run's 4 -> 4 MiB/s.
+RESHARD_GOAL = 0.85
+
+
+def reshard_table(summary: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> str:
+    """Each contender's 4 -> 3 load against its own 4 -> 4 load of the same run: median MiB/s of each, their
+    ratio, and the ratio round by round (the two loads of one round read the same save, one after the other)."""
+    same, resharded = summary.get("load 4->4", {}), summary.get("load 4->3", {})
+    done = {(r["contender"], r["path"], r["round"], r["op"]): r for r in runs or [] if "error" not in r}
+    rows = []
+    for path, cells in resharded.items():
+        for c in [c for c in P.ALL if c in cells and c in same.get(path, {})]:
+            a, b = same[path][c]["mib_s_median"], cells[c]["mib_s_median"]
+            ratio = _ratio(b, a)
+            rounds = []
+            for (contender, where, rnd, op), r in sorted(done.items(), key=lambda kv: kv[0][2]):
+                twin = done.get((contender, where, rnd, "load 4->4"))
+                if (contender, where, op) == (c, path, "load 4->3") and twin is not None:
+                    rounds.append(twin["seconds"] / r["seconds"] * r["bytes"] / twin["bytes"])
+            ours = c.startswith("dcp_cloud")
+            met = ("yes" if ratio is not None and ratio >= RESHARD_GOAL else "NO") if ours else ""
+            rows.append([path, P.LABELS[c], C.fmt(a), C.fmt(b), C.fmt(ratio, 2),
+                         ", ".join(f"{x:.2f}" for x in rounds) or "-", met])  # fmt: skip
+    if not rows:
+        return ""
+    return (
+        f"#### Resharded load against the same-layout load (goal for dcp_cloud: >= {RESHARD_GOAL:g}x)\n\n"
+        + C.markdown_table(
+            ["path", "contender", "4->4 MiB/s", "4->3 MiB/s", "4->3 / 4->4", "per round", "goal met"], rows
+        )
+    )
+
+
 #: One goal: (operation or None for every one, path or None for every one, summary key, higher is better,
 #: limit on dcp_cloud's ratio, what it is compared with: "peer" for the best peer, else a contender).
 Goal = tuple[str | None, str | None, str, bool, float, str]
@@ -171,6 +204,7 @@ def render(
     args: argparse.Namespace,
     env: dict[str, Any],
     *,
+    runs: list[dict[str, Any]] | None = None,
     server: str = "s3rver",
     peers_note: str = "s3torchconnector t=1/t=4, FsspecWriter+s3fs",
     scenario_note: str | None = None,
@@ -206,6 +240,9 @@ def render(
     cpu = _cpu_table(summary, env.get("cpus") or 1)
     if cpu:
         parts.append(cpu)
+    reshard = reshard_table(summary, runs)
+    if reshard:
+        parts.append(reshard)
     g = goals(summary, wanted)
     if g:
         parts.append("#### Goals (dcp_cloud against the best peer)\n\n" + C.markdown_table(

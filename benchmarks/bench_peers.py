@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ref_path:
         env_info["ref_head"] = _report.git_head(args.ref_path)
     summary = _report.summarize(runs)
-    text = _report.render(summary, args, env_info)
+    text = _report.render(summary, args, env_info, runs=runs)
     json_path = args.json or C.default_results_path("peers.json")
     C.write_results(json_path, {"benchmark": "peers", "args": vars(args), "environment": env_info,
                                 "summary": summary, "runs": runs}, text)  # fmt: skip

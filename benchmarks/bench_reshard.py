@@ -14,6 +14,13 @@ Prints two markdown tables:
    bytes) saved on 4 ranks with the stock ``DefaultSavePlanner`` and with
    ``BalancedSavePlanner``: bytes written by each rank and max/mean.
 
+Every scenario runs twice: on checkpoints saved as today (each rank's chunk
+of a tensor whole) and on the same state saved with
+``TransferConfig(column_tiles=--column-tiles)`` (rows marked "tiled"; see
+``dcp_cloud/planner/tiles.py``); a third table compares the two kinds of save
+(requests at the proxy, seconds). ``--column-tiles 0`` leaves the tiled rows
+out.
+
 The model is transformer-shaped (fp32 embedding, attention and MLP matrices,
 norm vectors), DTensor-sharded on a 1-D CPU mesh. Every load is checked
 bitwise. Run ``python benchmarks/bench_reshard.py --help`` for the sizes and
@@ -173,22 +180,24 @@ def counting_stock_reader(path: str) -> Any:
 _RESHARD_GAP_ENV = "BENCH_RESHARD_GAP"
 
 
-def _transfer(block_kib: int, verify: bool) -> Any:
+def _transfer(block_kib: int, verify: bool, tiles: int = 0) -> Any:
     import dcp_cloud
 
     gap = os.environ.get(_RESHARD_GAP_ENV)
     extra = {} if gap is None else {"reshard_gap": int(gap)}
-    return dcp_cloud.TransferConfig(checksum_block_size=block_kib * 1024, verify_checksums=verify, **extra)
+    return dcp_cloud.TransferConfig(
+        checksum_block_size=block_kib * 1024, verify_checksums=verify, column_tiles=tiles, **extra
+    )
 
 
-def rank_save(rank: int, world: int, spec: dict, uri: str, dim: int, block_kib: int) -> dict[str, Any]:
+def rank_save(rank: int, world: int, spec: dict, uri: str, dim: int, block_kib: int, tiles: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dcp_cloud
 
     mesh = init_device_mesh("cpu", (world,))
     sd = sharded_sd(spec, mesh, dim, fill=True)
-    writer = dcp_cloud.S3Writer(uri, transfer=_transfer(block_kib, True))
+    writer = dcp_cloud.S3Writer(uri, transfer=_transfer(block_kib, True, tiles))
     started = time.perf_counter()
     dcp_cloud.save(sd, storage_writer=writer)
     return {"seconds": time.perf_counter() - started, "written": writer.stats.bytes_written}
@@ -330,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         help="TransferConfig.reshard_gap of every load (default: the default)",
     )
     parser.add_argument("--skip-balance", action="store_true")
+    parser.add_argument(
+        "--column-tiles", type=int, default=8, help="column_tiles of the tiled saves (0: no tiled rows; default 8)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
 
@@ -372,13 +384,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             client.create_bucket(Bucket=BUCKET)
 
-            def save(name: str, world: int, dim: int) -> str:
-                t0 = time.perf_counter()
-                run_ranks(
-                    world, rank_save, spec, f"s3://{BUCKET}/{name}", dim, block_kib, env=env, timeout=args.timeout
-                )
+            saves: list[tuple[str, int, dict[str, int], float]] = []
+
+            def save(name: str, world: int, dim: int, tiles: int = 0) -> str:
+                proxy.reset_counters()
+                res = run_ranks(
+                    world, rank_save, spec, f"s3://{BUCKET}/{name}", dim, block_kib, tiles, env=env,
+                    timeout=args.timeout,
+                )  # fmt: skip
+                requests = dict(proxy.reset_counters().requests)
+                seconds = max(r["seconds"] for r in res)
+                saves.append((name, tiles, requests, seconds))
                 download(client, BUCKET, name, work / name)
-                print(f"  saved {name} on {world} ranks in {time.perf_counter() - t0:.1f}s", flush=True)
+                print(f"  saved {name} on {world} ranks in {seconds:.1f}s, requests {requests}", flush=True)
                 return name
 
             rows: list[tuple[str, dict[str, Any]]] = []
@@ -404,10 +422,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {label}: needed {row['needed']} engine {row['engine']} proxy {data} stock {row['stock']}",
                     flush=True,
                 )
-
-            s2 = save("save2-dim0", 2, 0)
-            s4 = save("save4-dim0", 4, 0)
-            s4d1 = save("save4-dim1", 4, 1)
 
             def load(world: int, name: str, dim: int) -> list[dict[str, Any]]:
                 proxy.reset_counters()
@@ -439,18 +453,25 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 ]
 
-            measure("(a) save 2 -> load 8, dim-0 shards", load(8, s2, 0))
-            measure("(b) save 4 -> load 3, dim-0 (uneven)", load(3, s4, 0))
-            measure(
-                f"(c) one tensor ({fmt_mib(spec_bytes(one))} MiB) of the 4-rank checkpoint, 1 process", load1(one, s4)
-            )
-            measure(
-                f"(c) one layer ({fmt_mib(spec_bytes(layer))} MiB) of the 4-rank checkpoint, 1 process",
-                load1(layer, s4),
-            )
-            measure("(d) save 4 -> load 1 process, whole model", load1(spec, s4))
-            measure("(e) save 4 -> load 3, Shard(1) (dim-1)", load(3, s4d1, 1))
-            measure("(f) save 4 dim-0 -> load 2 as Shard(1)", load(2, s4, 1))
+            kinds = [("", 0)] + ([(" tiled", args.column_tiles)] if args.column_tiles >= 2 else [])
+            for tag, tiles in kinds:
+                suffix = "-tiled" if tiles else ""
+                s2 = save(f"save2-dim0{suffix}", 2, 0, tiles)
+                s4 = save(f"save4-dim0{suffix}", 4, 0, tiles)
+                s4d1 = save(f"save4-dim1{suffix}", 4, 1, tiles)
+                measure(f"(a) save 2 -> load 8, dim-0 shards{tag}", load(8, s2, 0))
+                measure(f"(b) save 4 -> load 3, dim-0 (uneven){tag}", load(3, s4, 0))
+                measure(
+                    f"(c) one tensor ({fmt_mib(spec_bytes(one))} MiB) of the 4-rank checkpoint, 1 process{tag}",
+                    load1(one, s4),
+                )
+                measure(
+                    f"(c) one layer ({fmt_mib(spec_bytes(layer))} MiB) of the 4-rank checkpoint, 1 process{tag}",
+                    load1(layer, s4),
+                )
+                measure(f"(d) save 4 -> load 1 process, whole model{tag}", load1(spec, s4))
+                measure(f"(e) save 4 -> load 3, Shard(1) (dim-1){tag}", load(3, s4d1, 1))
+                measure(f"(f) save 4 dim-0 -> load 2 as Shard(1){tag}", load(2, s4, 1))
 
             balance: list[tuple[str, list[dict[str, Any]], int]] = []
             if not args.skip_balance:
@@ -483,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     metas = []
-    for label, r in rows:
+    for label, r in sorted(rows, key=lambda row: row[0][:3]):  # each scenario's tiled row beside today's
         n = r["needed"]
         metas.append(r["meta"])
         print(
@@ -498,6 +519,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt_mib(max(metas) if metas else 0)} MiB at most per scenario, is excluded); stock = bytes the stock reader "
         "read from .distcp files of a local copy (below its buffered reader)."
     )
+    if len(saves) > 3:
+        print()
+        print("### Saves: as today and tiled (requests at the proxy, slowest rank's seconds; shared CPU, indicative)")
+        print()
+        print("| checkpoint | column_tiles | PUT | POST | other | seconds |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, tiles, requests, seconds in saves:
+            other = sum(n for m, n in requests.items() if m not in ("PUT", "POST"))
+            print(
+                f"| {name} | {tiles} | {requests.get('PUT', 0)} | {requests.get('POST', 0)} | {other} | {seconds:.1f} |"
+            )
     if balance:
         print()
         print(

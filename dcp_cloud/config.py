@@ -122,6 +122,20 @@ class TransferConfig:
     #: blocks keep resharded loads byte-precise, and the cap keeps metadata
     #: of huge items at 4 bytes per block (32 KiB per GiB at 128 KiB).
     checksum_block_size: int = 128 * 1024
+    #: Saves: store each saved chunk of a tensor with two or more dimensions
+    #: as up to this many tiles side by side along its last dimension
+    #: (column bands, each holding every row; none under 128 KiB, and a band
+    #: larger than ``part_size`` cut along dimension 0 too). Each tile is a
+    #: chunk of its own in the metadata, so the checkpoint stays a standard
+    #: DCP checkpoint. A later load that splits the last dimension (tensor
+    #: parallelism, a ``Shard(0)`` save loaded as ``Shard(1)``) then reads the
+    #: tiles it overlaps, at most one tile too many at each boundary, instead
+    #: of every saved chunk whole; a load that splits rows still reads only
+    #: its rows. What it costs: a load that splits rows makes one request per
+    #: tile of each chunk it takes part of, and loads and saves copy each tile
+    #: once in memory. ``0`` (the default) or ``1``: chunks are stored whole.
+    #: See the resharding guide.
+    column_tiles: int = 0
     #: Verify CRC32C of every byte read against the checksums saved with the
     #: checkpoint (checkpoints written without checksums are read unverified).
     verify_checksums: bool = True
@@ -150,6 +164,10 @@ class TransferConfig:
         _require(
             self.checksum_block_size >= 4096,
             f"checksum_block_size must be >= 4096, got {self.checksum_block_size}",
+        )
+        _require(
+            isinstance(self.column_tiles, int) and not isinstance(self.column_tiles, bool) and self.column_tiles >= 0,
+            f"column_tiles must be an integer >= 0, got {self.column_tiles!r}",
         )
         _require(self.max_object_size >= 1, f"max_object_size must be positive, got {self.max_object_size}")
 

@@ -53,12 +53,12 @@ def _fresh_framing() -> None:
 
 
 def test_items_written_from_learned_framing_are_what_torch_save_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dcp_cloud.dcp import writer
+    from dcp_cloud.dcp import itemtap
 
     assert serialize.usable()
     framed = []
-    real = writer._write_framed
-    monkeypatch.setattr(writer, "_write_framed", lambda sink, t, *a: framed.append(t.shape) or real(sink, t, *a))
+    real = itemtap._write_framed
+    monkeypatch.setattr(itemtap, "_write_framed", lambda sink, t, *a: framed.append(t.shape) or real(sink, t, *a))
     state = _state(5)
     mem = MemoryStore()
     dcp_cloud.save(state, storage_writer=CloudWriter("memory://bkt/f", StoreBackend(mem)))

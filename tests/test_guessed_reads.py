@@ -381,6 +381,67 @@ def test_a_request_sent_early_for_the_budget_sends_the_footer_first(concurrency:
     assert reader.stats.peak_buffer_bytes <= transfer.memory_budget + 8 * MiB  # one item may exceed the budget
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_an_item_larger_than_the_budget_leaves_room_for_the_discard_buffer(speculative: bool) -> None:
+    """The 8 MiB first item needs a float64 temporary larger than the whole 2 MiB budget, and its object is
+    read in 1 MiB requests with gaps (the discard buffer): the discard buffer's lease found the budget held
+    by that item, whose rest was still to be read by this very thread, and waited for it forever."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state)
+    transfer = TransferConfig(
+        read_chunk_size=1 * MiB, part_size=1 * MiB, max_inflight_parts=2, speculative_reads=speculative
+    )
+    target = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in _blank(state).items()}
+    _within(30, lambda: _load(mem, target, transfer))
+    for k, v in state.items():
+        assert torch.equal(target[k], v.detach().to(target[k].dtype)), k
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+@pytest.mark.parametrize("budget", [None, 2 * MiB])
+def test_an_object_read_in_several_requests_carries_its_footer_on_the_last(
+    concurrency: int, budget: int | None
+) -> None:
+    """An object read in several requests (1 MiB reads here): the last, which ends by the footer, carries it,
+    and the earlier ones leave their guessed items' checks to the thread that lands them, so that with one
+    worker no request waits for a footer queued behind it. With a small budget (temporaries of another
+    dtype), earlier requests are landed while the last is still being built: the footer then gets its own
+    GET, sent by the landing, and the load still ends (bitwise, every checksum checked): also where the first
+    item's temporary is larger than the whole budget and a later request needs the discard buffer (its
+    lease once waited forever for the budget that item held)."""
+    mem = MemoryStore()
+    state = _tensors()
+    _save(mem, state)
+    ((footer, _),) = _footer_places(mem).values()
+    spy = _ReadStarts(mem)
+    transfer = TransferConfig(read_chunk_size=1 * MiB, concurrency=concurrency)  # several requests
+    target = _blank(state)
+    if budget is not None:
+        transfer = TransferConfig(read_chunk_size=1 * MiB, concurrency=concurrency, part_size=budget // 2,
+                                  max_inflight_parts=2)  # fmt: skip
+        target = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in target.items()}
+    reader = _within(30, lambda: _load(spy, target, transfer))
+    for k, v in state.items():
+        assert torch.equal(target[k], v.detach().to(target[k].dtype)), k
+    assert len(spy.starts) > 2
+    if budget is None:
+        assert footer not in spy.starts, spy.starts  # carried
+        assert reader.stats.index_bytes_read > 0
+    # a flipped byte in the first request's bytes is still caught (checked by the landing thread)
+    ((key, _),) = _footer_places(mem).items()
+    flip_byte(mem, key, 4096)
+
+    def mismatch() -> str:
+        try:
+            _load(mem, _blank(state), transfer)
+        except dcp_cloud.ChecksumMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "checksum mismatch in 'big'" in _within(30, mismatch)
+
+
 # ------------------------------------------------------------------------------------------ over the wire
 
 
@@ -392,10 +453,16 @@ _WIRE: dict[str, tuple[str, str, str, str, Any, Any, str]] = {
 
 
 def _wire_load(
-    backend: str, request: pytest.FixtureRequest, transfer: TransferConfig, name: str = "guessed", tensors: int = 6
+    backend: str,
+    request: pytest.FixtureRequest,
+    transfer: TransferConfig,
+    name: str = "guessed",
+    tensors: int = 6,
+    only: int | None = None,
 ) -> tuple[list[tuple[float, int, int]], dict[int, int]]:
-    """Save ``tensors`` x 256 KiB in one object, then load it behind a proxy adding 100 ms each way; return
-    every ranged GET the server got (arrival, first byte, last byte) and the footers' places (start -> end)."""
+    """Save ``tensors`` x 256 KiB in one object, then load it (``only``: its first tensors) behind a proxy
+    adding 100 ms each way; return every ranged GET the server got (arrival, first byte, last byte) and the
+    footers' places (start -> end)."""
     server, address, bucket, store_fixture, writer_cls, reader_cls, keyword = _WIRE[backend]
     upstream = getattr(request.getfixturevalue(server), address)
     uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/{name}"
@@ -419,23 +486,31 @@ def _wire_load(
 
     plan = FaultPlan(error_500=1.0, when=spy)
     with FaultProxy(upstream, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
-        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        out = {k: torch.zeros_like(v) for k, v in list(state.items())[:only]}
         dcp.load(out, storage_reader=reader_cls(uri, transfer=transfer, **{keyword: proxy.url}))
         assert proxy.snapshot().unplanned_errors == 0
-    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert all(torch.equal(out[k], state[k]) for k in out)
     return seen, footers
 
 
 @pytest.mark.parametrize("backend", sorted(_WIRE))
 def test_over_the_wire_the_data_gets_leave_with_the_footer_gets(backend: str, request: pytest.FixtureRequest) -> None:
-    """Where an object takes several data GETs (256 KiB reads here), the first of them reaches the server
-    less than one way's delay after its footer's GET: sent with it, not a round trip after it (S3 on moto,
-    GCS on its emulator)."""
+    """Where an object takes several data GETs (256 KiB reads here), they all reach the server at once, and
+    the last one, which ends by the footer, carries it: no GET of its own, and no read waits a round trip
+    for it. Where the last read ends far from the footer (a load of the object's first tensors), the
+    footer's own GET leaves with the data GETs, not a round trip before or after them (S3 on moto, GCS on
+    its emulator)."""
     seen, footers = _wire_load(backend, request, TransferConfig(read_chunk_size=256 * 1024))
+    ((footer_start, footer_end),) = footers.items()
+    assert len(seen) > 1 and all(first != footer_start for _, first, _ in seen), seen
+    assert max(last for _, _, last in seen) == footer_end - 1  # the last data GET's tail
+    arrivals = [t for t, _, _ in seen]
+    assert max(arrivals) - min(arrivals) < 0.1, seen
+    seen, footers = _wire_load(backend, request, TransferConfig(read_chunk_size=256 * 1024), "head", only=2)
     footer_gets = [t for t, first, _ in seen if first in footers]
     data = [t for t, first, _ in seen if first not in footers]
-    assert footer_gets and len(data) > 1
-    assert min(data) - min(footer_gets) < 0.1, seen
+    assert len(footer_gets) == 1 and len(data) == 2, seen
+    assert max(data + footer_gets) - min(data + footer_gets) < 0.1, seen
 
 
 @pytest.mark.parametrize("backend", sorted(_WIRE))
@@ -457,14 +532,15 @@ def test_an_object_read_in_one_request_brings_its_footer_along(backend: str, req
 def test_a_small_load_spreads_over_the_connections(
     backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One process loading an 8 MiB object (32 x 256 KiB) cuts it into 4 data GETs of <= ~2 MiB, sent at once
-    beside the footer's GET, instead of one 8 MiB GET on one connection; a 1.5 MiB object (under
+    """One process loading an 8 MiB object (32 x 256 KiB) cuts it into 4 data GETs of <= ~2 MiB, sent at once,
+    the last carrying the footer, instead of one 8 MiB GET on one connection; a 1.5 MiB object (under
     2 x MIN_SPLIT) stays one GET that carries its footer (the test above), and so does the 8 MiB object in a
     job of thousands of ranks."""
     seen, footers = _wire_load(backend, request, TransferConfig(), "spread", tensors=32)
-    ((footer_start, _),) = footers.items()
-    data = sorted((first, last, t) for t, first, last in seen if first != footer_start)
-    assert len(data) == 4 and len(seen) == 5, seen
+    ((footer_start, footer_end),) = footers.items()
+    data = sorted((first, last, t) for t, first, last in seen)
+    assert len(data) == 4 and all(first != footer_start for first, _, _ in data), seen
+    assert data[-1][1] == footer_end - 1  # the last one's tail is the footer
     # each about a quarter of the object's data (a request may run over its size by 1/TAIL_SLACK to end an item)
     assert all(MIN_SPLIT // 2 <= last - first + 1 <= footer_start / 4 * (1 + 1 / TAIL_SLACK) for first, last, _ in data)
     arrivals = [t for _, _, t in data]

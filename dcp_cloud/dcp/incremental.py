@@ -56,7 +56,15 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
 from ..uri import CheckpointURI, join_key, parse_uri
 from .contenthash import DIGEST_SIZE
-from .layout import META_ATTR, METADATA_NAME, footer_table, load_metadata, storage_info, transform_descriptors
+from .layout import (
+    META_ATTR,
+    METADATA_NAME,
+    footer_table,
+    load_metadata,
+    storage_info,
+    tiled_objects,
+    transform_descriptors,
+)
 
 log = logging.getLogger("dcp_cloud")
 
@@ -149,6 +157,8 @@ class BaseIndex:
     items: dict[MetadataIndex, tuple[WriteItemType, Any, Any, BaseRef]]
     #: relative path (from the new checkpoint) -> the footer place of that base object
     footers: dict[str, tuple[int, int]]
+    #: the base objects (relative paths from the new checkpoint) that a tiled save wrote
+    tiled: frozenset[str] = frozenset()
 
 
 def read_base(store: Any, base: CheckpointURI, target: CheckpointURI) -> BaseIndex:
@@ -161,8 +171,10 @@ def read_base(store: Any, base: CheckpointURI, target: CheckpointURI) -> BaseInd
     metadata = load_metadata(body, store.url(key))
     digests = _digests_by_record(metadata)  # checkpoints of earlier versions: hashes in the metadata
     base_footers = footer_table(metadata) or {}
+    base_tiled = tiled_objects(metadata)
     items: dict[MetadataIndex, tuple[WriteItemType, Any, Any, BaseRef]] = {}
     footers: dict[str, tuple[int, int]] = {}
+    tiled: set[str] = set()
     chunks = _chunk_sizes(metadata)
     for index, info in metadata.storage_data.items():
         place = base_footers.get(info.relative_path)
@@ -174,13 +186,15 @@ def read_base(store: Any, base: CheckpointURI, target: CheckpointURI) -> BaseInd
         footer = (int(place[0]), int(place[1]))
         ref = BaseRef(relative, int(info.offset), int(info.length), found, transform_descriptors(info), footer)
         footers[relative] = footer
+        if info.relative_path in base_tiled:
+            tiled.add(relative)
         if index.offset is None:
             items[index] = (WriteItemType.BYTE_IO, None, None, ref)
         else:
             sizes, dtype = chunks.get((index.fqn, tuple(index.offset)), (None, None))
             if sizes is not None:
                 items[index] = (WriteItemType.TENSOR, sizes, dtype, ref)
-    return BaseIndex(items, footers)
+    return BaseIndex(items, footers, frozenset(tiled))
 
 
 def _chunk_sizes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], Any]]:

@@ -1,11 +1,11 @@
 """How one item's bytes reach a shard's object stream: torch.save through a tap, or learned framing.
 
-:class:`_ItemTap` sits between ``torch.save`` and the :class:`ObjectWriter`:
-it finds the raw tensor bytes in torch.save's writes (by address), hashes
-them, uploads them in place, and gathers the framing writes around them.
-:func:`_write_framed` writes a tensor from framing learned earlier
-(:mod:`.framing`). :func:`_host_tensor` gives torch.save a CPU tensor whose
-storage is exactly its bytes.
+:func:`write_tensor` writes one tensor item. :class:`_ItemTap` sits between
+``torch.save`` and the :class:`ObjectWriter`: it finds the raw tensor bytes in
+torch.save's writes (by address), hashes them, uploads them in place, and
+gathers the framing writes around them. :func:`_write_framed` writes a tensor
+from framing learned earlier (:mod:`.framing`). :func:`_host_tensor` gives
+torch.save a CPU tensor whose storage is exactly its bytes.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import crc32c
 import numpy as np
 import torch
 
 from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
+from . import framing
 from .checksum import Hasher
+from .serialize import save_tensor
 from .tensorbytes import tensor_bytes
 
 
@@ -119,9 +122,12 @@ def _write_framed(
     raw = tensor_bytes(tensor, writable=False)
     if hasher is not None:
         hasher.update(raw)
-    if owner is not None and len(raw) >= MIN_BORROWED_WRITE:
+    if len(raw) >= MIN_BORROWED_WRITE:
         sink.write(header)
-        sink.write_view(raw, owner)
+        if owner is not None:
+            sink.write_view(raw, owner)
+        else:  # a temporary: copied into part buffers once, not held
+            sink.write(raw)
         sink.write(trailer)
     else:
         whole = bytearray(header)
@@ -165,3 +171,46 @@ def _plain_and_exact(data: Any) -> bool:
         and data.is_contiguous()
         and data.untyped_storage().nbytes() == data.nbytes
     )
+
+
+def write_tensor(stream: ObjectWriter, data: Any, hasher: Hasher, alignment: int, fqn: str) -> tuple[int, int]:
+    """torch.save ``data`` (the tensor item ``fqn``) into the stream; returns the offset of its raw bytes in what
+    was written, and their length. ``alignment``: torch.save's storage alignment (0: do not use learned framing)."""
+    gathered = False
+    if isinstance(data, torch.Tensor) and data.device.type == "cpu" and not data.is_contiguous():
+        # a strided box of a larger tensor (a column tile): gathered once into a temporary that is copied
+        # into part buffers (from the byte budget) and freed, never held in memory by the upload
+        data, gathered = data.detach().contiguous(), True
+    layout = framing.layout_of(data, alignment) if alignment else None
+    frame = framing.known(layout) if layout is not None else None
+    if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory
+        return _write_framed(stream, data, frame, hasher, None if gathered else data), data.nbytes
+    # A plain tensor that owns exactly its bytes is used as it is: detach()
+    # would give the same bytes and the same torch.save output, at the price
+    # of a torch op (see .tensorbytes) for each of thousands of items.
+    tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
+    temporary = temporary or gathered
+    # The caller's memory is uploaded in place (``data`` stays referenced
+    # with it); a temporary host copy is copied into part buffers instead,
+    # so it can be freed at once (kept alive by in-flight parts,
+    # temporaries would add to peak memory).
+    owner = None if temporary else (tensor, data)
+    tap = _ItemTap(stream, tensor, hasher, owner=owner, capture=layout is not None)
+    try:
+        save_tensor(tensor, tap)
+    except BaseException:
+        # torch's zip writer turns an exception of write() into its own
+        # RuntimeError ("unexpected pos ..."): surface the store's typed error.
+        if tap.error is not None:
+            raise tap.error from None
+        raise
+    tap.finish()
+    if tap.raw_offset is None and tensor.nbytes == 0:
+        return 0, 0  # nothing to read back
+    if tap.raw_offset is None:
+        raise AssertionError(f"could not locate the bytes of {fqn} in torch.save output")
+    captured = tap.framing
+    if layout is not None and captured is not None:
+        values = tensor_bytes(tensor, writable=False)
+        framing.learn(layout, *captured, crc32c.crc32c(values).to_bytes(4, "big"))
+    return tap.raw_offset, tensor.nbytes

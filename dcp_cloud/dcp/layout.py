@@ -53,6 +53,9 @@ FOOTER_FORMAT = 2
 #: Attribute on the first write result of each object that carries the object's footer place to ``finish``
 #: (removed before the metadata is written).
 FOOTER_RESULT_ATTR = "_dcp_cloud_footer"
+#: Attribute on the first write result of each object a tiled save wrote (removed before the metadata is
+#: written; see :func:`tiled_objects`).
+TILED_RESULT_ATTR = "_dcp_cloud_tiled"
 
 
 def shard_name(rank: int, token: str, spread: bool = False) -> str:
@@ -137,9 +140,26 @@ def footer_table(metadata: Metadata) -> dict[str, tuple[int, int]] | None:
     return table
 
 
-def set_footer_table(metadata: Metadata, table: dict[str, tuple[int, int]]) -> None:
-    """Record where each object's footer is (the storage_meta must be set)."""
-    setattr(metadata.storage_meta, META_ATTR, {"v": FOOTER_FORMAT, "footers": table})
+def set_footer_table(
+    metadata: Metadata, table: dict[str, tuple[int, int]], tiled: dict[str, bool] | None = None
+) -> None:
+    """Record where each object's footer is (the storage_meta must be set), and which objects a tiled save
+    wrote (``tiled``, see :func:`tiled_objects`)."""
+    extras: dict[str, Any] = {"v": FOOTER_FORMAT, "footers": table}
+    if tiled:
+        extras["tiled"] = dict(tiled)
+    setattr(metadata.storage_meta, META_ATTR, extras)
+
+
+def tiled_objects(metadata: Metadata) -> frozenset[str]:
+    """The objects a tiled save wrote (see :mod:`dcp_cloud.planner.tiles`), by relative path. Their items'
+    checksum blocks are sized by each item's own bytes, not by its whole tensor's
+    (:func:`~dcp_cloud.dcp.checksum.checksum_block_for`), which a reader that guesses an item's block size
+    before its footer arrives must know (:mod:`.prediction`); and loads read them byte-precisely (no
+    ``reshard_gap`` read-through), as the tiles were cut for."""
+    extras = getattr(metadata.storage_meta, META_ATTR, None)
+    table = extras.get("tiled") if isinstance(extras, dict) else None
+    return frozenset(str(k) for k, v in table.items() if v) if isinstance(table, dict) else frozenset()
 
 
 def transform_descriptors(info: Any) -> Any:

@@ -111,6 +111,9 @@ class LoadRun:
         self._b_done: list[LoadItem] = []
         #: The footer that rides on the request being built, if that request ends up whole (see read_object).
         self._rider: Rider | None = None
+        #: The footer of the object being read when it may ride on the object's last request: its earlier
+        #: requests do not wait for it in their workers (see _send).
+        self._late: Rider | None = None
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -128,7 +131,7 @@ class LoadRun:
                 fut.exception()
         self.pending.clear()
         self._b_outs, self._b_checks, self._b_done = [], [], []
-        self._rider = None
+        self._rider = self._late = None
         self._give(self._held)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
@@ -155,17 +158,25 @@ class LoadRun:
 
         Returns the bytes leased: at most what the budget can ever hold
         beside the discard buffer (one item larger than that is allowed, as
-        a single lease larger than the budget always was).
+        a single lease larger than the budget always was). When nothing is
+        left to land, what holds the budget is this run's own items still
+        being read (one larger than the budget, its rest in requests not yet
+        built), which only this thread could return: the lease takes what is
+        free rather than wait for itself.
         """
         budget = self.engine.budget
+        stuck = False
         while budget.used + nbytes > budget.capacity:
             if self.pending:
                 self.land(self.pending.popleft())
             elif self._b_outs:
                 self._send()
             else:
+                stuck = True
                 break
         grant = max(0, min(nbytes, budget.capacity - self._reserved))
+        if stuck:
+            grant = min(grant, max(0, budget.capacity - budget.used))
         budget.acquire(grant)
         self._held += grant
         return grant
@@ -357,6 +368,7 @@ class LoadRun:
         url: str,
         entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
         rider: Rider | None = None,
+        tiled: bool = False,
     ) -> None:
         """Read the items of object ``key`` (``(req, info, extras, what, sink)``, in any order) with coalesced
         requests; the first requests go out while later items are still being planned. An item with a
@@ -364,9 +376,16 @@ class LoadRun:
         (one rank's shards of one tensor that overlap one saved chunk) are planned as one: their bytes are
         read once, whatever the order of the items and however their byte runs interleave or overlap.
 
-        ``rider``: the object's footer, not yet sent. Where the items go in one request that may read on
-        to the footer (:meth:`_may_carry`), the footer is that request's tail; otherwise its own GET is
-        queued before the object's first data request."""
+        ``rider``: the object's footer, not yet sent. Where the object's last request may read on to the
+        footer (:meth:`_may_carry`), the footer is that request's tail (one GET fewer); otherwise its own
+        GET is queued with that request. Until the footer is in, the object's earlier requests leave the
+        checks that need it (guessed extras) to the main thread, which lands them in order (sending the
+        footer's own GET first if the request to carry it is not on its way yet): no worker ever waits for
+        a footer queued behind it.
+
+        ``tiled``: the object was written by a tiled save (see :mod:`dcp_cloud.planner.tiles`), whose tiles
+        were cut so that a load reads only what it wants: no gap is read through as one between neighbours
+        (``reshard_gap``), only within ``coalesce_gap`` and ``coalesce_ratio``."""
         owners: list[LoadItem] = []
         block_of = self.transfer.verify_checksums
         ordered = sorted(entries, key=lambda e: int(e[1].offset))  # stable: a no-op pass for sorted entries
@@ -392,11 +411,12 @@ class LoadRun:
             ratio=t.coalesce_ratio,
             chunk=self.chunk,
             free_gap=FRAMING_GAP,
-            neighbour_gap=t.reshard_gap if t.coalesce_gap else 0,  # coalesce_gap=0: byte-exact
+            neighbour_gap=t.reshard_gap if t.coalesce_gap and not tiled else 0,  # coalesce_gap=0: byte-exact
         )
+        self._late = rider
         for request in requests:
-            if rider is not None and not rider.sent:
-                if request.last and self._may_carry(request, rider):
+            if rider is not None and not rider.sent and request.last:
+                if self._may_carry(request, rider):
                     self._rider = rider  # sent with this request unless a lease sends part of it first
                 else:
                     rider.send()
@@ -464,7 +484,7 @@ class LoadRun:
         """Send the request being built; with ``carry`` (it is complete), with the footer waiting to ride on
         it as its tail. A request sent early (a lease ran short) sends the footer's own GET first."""
         rider, self._rider = self._rider, None
-        if rider is not None and not carry:
+        if rider is not None and (not carry or rider.sent):  # (sent already: by a landing that needed it)
             rider.send()
             rider = None
         if not self._b_outs:
@@ -474,6 +494,7 @@ class LoadRun:
         outs, checks, done = self._b_outs, self._b_checks, self._b_done
         self._b_outs, self._b_checks, self._b_done = [], [], []
         key, start, end = self._b_key, self._b_start, self._b_end
+        late = self._late
         tail: memoryview | None = None
         if rider is not None:
             rider.carried()
@@ -482,27 +503,40 @@ class LoadRun:
             outs.append(tail)
             end = rider.end
         what = f"bytes {start}..{end} of {self._b_url}"
+        deferred: list[tuple[LoadItem, int, list[memoryview]]] = []
 
         def check(offset: int, views: list[memoryview]) -> None:
             if rider is not None and tail is not None:
                 rider.land(tail)  # before any guess of this request is confirmed against it
-            for item, item_start, item_views in checks:
-                extras = _real(item.extras)
-                if not (item.verify and extras.block_size):
-                    continue
-                pieces = []
-                pos = item_start - item.base
-                for view in item_views:
-                    pieces.append((pos, view))
-                    pos += len(view)
-                self._verify(key, item.base, extras, item.what, pieces)
+            for entry in checks:
+                if late is not None and not late.future.done() and isinstance(entry[0].extras, Guess):
+                    deferred.append(entry)  # its footer rides on a later request: checked when this lands
+                else:
+                    self._check_item(key, *entry)
 
         def finish() -> None:
+            if deferred and late is not None:
+                late.send()  # a no-op once the request carrying it is queued
+                for entry in deferred:
+                    self._check_item(key, *entry)
             for item in done:
                 self._finish_item(item)
 
         future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
         self.pending.append(_Pending([future], finish, 0, what))
+
+    def _check_item(self, key: str, item: LoadItem, item_start: int, item_views: list[memoryview]) -> None:
+        """Confirm a guessed item's extras (waiting for its footer) and verify its blocks in ``item_views``
+        (object bytes from ``item_start``)."""
+        extras = _real(item.extras)
+        if not (item.verify and extras.block_size):
+            return
+        pieces = []
+        pos = item_start - item.base
+        for view in item_views:
+            pieces.append((pos, view))
+            pos += len(view)
+        self._verify(key, item.base, extras, item.what, pieces)
 
     # -- verification -----------------------------------------------------
     def _verify(self, key: str, base: int, extras: ItemExtras, what: str, pieces: list[tuple[int, memoryview]]) -> None:

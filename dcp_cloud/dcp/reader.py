@@ -33,6 +33,7 @@ torch does; so are compressed items (torch's ZStandard extension, see
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -54,7 +55,15 @@ from .base import CloudBase, log
 from .chunks import ChunkIndex
 from .compression import check_descriptors
 from .footer import Rider, fetch_all, fetch_async, fetch_each
-from .layout import METADATA_NAME, ItemExtras, extras_of, footer_table, load_metadata, transform_descriptors
+from .layout import (
+    METADATA_NAME,
+    ItemExtras,
+    extras_of,
+    footer_table,
+    load_metadata,
+    tiled_objects,
+    transform_descriptors,
+)
 from .loadrun import LoadRun
 from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess
@@ -88,6 +97,8 @@ class CloudReader(CloudBase, StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self._chunks = ChunkIndex({})
         self._footers: dict[str, Any] | None = None
+        #: Objects a tiled save wrote: checksum blocks sized by item, not by tensor; read byte-precisely.
+        self._tiled: frozenset[str] = frozenset()
         #: Send the first reads before the footers arrive (see :mod:`.prediction`); off after a wrong guess.
         self._guessing = self.transfer.speculative_reads
         self._metadata: Metadata | None = None
@@ -196,6 +207,7 @@ class CloudReader(CloudBase, StorageReader):
         self.is_coordinator = is_coordinator
         self._chunks = ChunkIndex(metadata.state_dict_metadata)
         self._footers = footer_table(metadata)
+        self._tiled = tiled_objects(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -389,7 +401,7 @@ class CloudReader(CloudBase, StorageReader):
             else:
                 coalesced.append((req, info, extras, what, None))
         if coalesced:
-            run.read_object(key, url, coalesced, rider)
+            run.read_object(key, url, coalesced, rider, tiled=records[0][0].relative_path in self._tiled)
 
     def _fetch_footers(
         self, run: LoadRun, records: list[tuple[Any, ReadItem]], urls: dict[str, str]
@@ -442,6 +454,8 @@ class CloudReader(CloudBase, StorageReader):
                 chunk, nbytes, whole = None, 0, True
             else:
                 chunk, nbytes = self._chunks.lookup(index), self._chunks.tensor_nbytes(index) or 0
+                if chunk is not None and info.relative_path in self._tiled:  # blocks sized by the item
+                    nbytes = chunk[1].itemsize * math.prod(chunk[0])
                 whole = bool(transform_descriptors(info))
             guessed = guess(info, chunk, nbytes, whole, self.transfer.checksum_block_size, confirm)
             if guessed is not None:

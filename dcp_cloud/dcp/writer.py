@@ -16,11 +16,11 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -31,6 +31,7 @@ from torch.futures import Future
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
 from ..planner.load import share_chunk_lists
+from ..planner.tiles import TileMap, tile_plan
 from ..store.clients import environment_digest
 from ..transfer.ranges import plan_part_size
 from ..transfer.upload import ObjectWriter, open_writer
@@ -44,10 +45,11 @@ from .contenthash import digest as content_digest
 from .createonly import put_create_only
 from .footer import FooterEntry
 from .footer import encode as encode_footer
-from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
+from .itemtap import _ItemTap, write_tensor
 from .layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
+    TILED_RESULT_ATTR,
     ItemExtras,
     dump_metadata,
     is_shard_path,
@@ -57,11 +59,9 @@ from .layout import (
     storage_info,
 )
 from .metashare import in_process_group
-from .serialize import save_tensor
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
 from .stripes import Committer, split_runs, stripe_count, stripe_name
-from .tensorbytes import tensor_bytes
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -77,12 +77,24 @@ class _ShardPlan:
 
 
 def _item_nbytes(item: WriteItem) -> int:
+    """Bytes of the item's whole tensor (all chunks); 0 for a bytes item."""
     if item.tensor_data is None:
         return 0
     numel = 1
     for s in item.tensor_data.size:
         numel *= s
     return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def _chunk_nbytes(item: WriteItem) -> int:
+    """Bytes of the item itself (its chunk); 0 for a bytes item."""
+    td = item.tensor_data
+    if td is None:
+        return 0
+    numel = 1
+    for s in td.size if td.chunk is None else td.chunk.sizes:
+        numel *= s
+    return numel * td.properties.dtype.itemsize
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
@@ -122,6 +134,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         #: Record each item's content hash in its object's footer, so this checkpoint can be a base.
         self.hashes = True if hashes is None else bool(hashes)  # None: the default (older callers)
         self._base_footers: dict[str, tuple[int, int]] = {}
+        #: The base's objects (relative to this checkpoint) that a tiled save wrote.
+        self._base_tiled: frozenset[str] = frozenset()
         self.overwrite = overwrite
         self.checksums = checksums
         #: ``"zstd"``: every item stored as torch's ZStandard extension stores it (see .compression).
@@ -137,6 +151,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self.save_id = ""
         self._started = 0.0
         self._alignment = 0
+        #: The chunks this rank's plan cut into tiles (``TransferConfig.column_tiles``; see planner.tiles).
+        self._tiles = TileMap()
         self._begin()
 
     # -- staging (torch's AsyncStager) --------------------------------------
@@ -249,7 +265,14 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     # -- planning ---------------------------------------------------------
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Cut large chunks into column tiles when ``TransferConfig.column_tiles`` asks for it (see
+        :mod:`dcp_cloud.planner.tiles`): before the global plan, so the metadata records the tiles."""
+        self._tiles = TileMap()
+        return tile_plan(plan, self.transfer.column_tiles, self.transfer.part_size, self._tiles)
+
+    @property
+    def _tiles_on(self) -> bool:
+        return self.transfer.column_tiles >= 2
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)
@@ -258,6 +281,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
             index = incremental.read_base(self._retrying(), base, self.uri)
             self._base_footers = index.footers
+            self._base_tiled = index.tiled
         return [
             dataclasses.replace(
                 plan,
@@ -280,15 +304,18 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        tiles = self._tiles
+        resolve = planner.resolve_data if not tiles else lambda item: tiles.resolve(item, planner.resolve_data)
         with self._engine() as engine:
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
-            base = incremental.sort_out(items, refs, planner.resolve_data, _item_nbytes)
+            base = incremental.sort_out(items, refs, resolve, _item_nbytes)
             done = {wr.index for wr in base.unchanged}
             items = [it for it in items if it.index not in done]
             # torch.save's storage alignment, read once per save (a process setting that framing depends on)
             self._alignment = framing.storage_alignment() if items else 0
-            peak = self._write_items(engine, shard, items, planner, base, results) if items else 0
+            peak = self._write_items(engine, shard, items, resolve, base, results) if items else 0
+        tiles.done()
         results.extend(base.unchanged)
         self._recorder.add_reused(sum(int(wr.storage_data.length) for wr in base.unchanged))
         self._recorder.add_unchecked(sum(base.unchecked.values()))
@@ -305,7 +332,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         engine: Any,
         shard: _ShardPlan,
         items: list[WriteItem],
-        planner: SavePlanner,
+        resolve: Callable[[WriteItem], Any],
         base: incremental.Sorted,
         results: list[WriteResult],
     ) -> int:
@@ -323,7 +350,7 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 for i in run:
                     item = items[i]
                     data, digest = base.hashed.pop(item.index, (None, None))
-                    result, entry = self._write_item(stream, name, item, planner, data, digest)
+                    result, entry = self._write_item(stream, name, item, resolve, data, digest)
                     unchecked = base.unchecked.get(item.index)
                     if unchecked is not None:
                         setattr(result.storage_data, incremental.UNCHECKED_RESULT_ATTR, unchecked)
@@ -333,6 +360,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 # object's first result.
                 footer = encode_footer(entries)
                 setattr(results[first].storage_data, FOOTER_RESULT_ATTR, (stream.tell(), len(footer)))
+                if self._tiles_on:
+                    setattr(results[first].storage_data, TILED_RESULT_ATTR, True)
                 stream.write(footer)
                 committer.commit(stream)
             committer.wait()
@@ -343,14 +372,18 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         stream: ObjectWriter,
         name: str,
         item: WriteItem,
-        planner: SavePlanner,
+        resolve: Callable[[WriteItem], Any],
         data: Any = None,
         digest: bytes | None = None,
     ) -> tuple[WriteResult, FooterEntry]:
-        """Write one item; its block CRCs, and (recording hashes) its content hash unless ``digest`` is it
-        already, are computed in the same pass over its bytes."""
-        block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
-        data = planner.resolve_data(item) if data is None else data
+        """Write one item (``resolve``: the planner's resolve_data, or the tiles' over it); its block CRCs,
+        and (recording hashes) its content hash unless ``digest`` is it already, are computed in the same
+        pass over its bytes."""
+        # Tiled saves size blocks by the item (a tile is a fraction of its tensor): the reads of a tile's rows
+        # are widened to blocks of its own scale
+        basis = _chunk_nbytes(item) if self._tiles_on else _item_nbytes(item)
+        block = checksum_block_for(basis, self.transfer.checksum_block_size) if self.checksums else 0
+        data = resolve(item) if data is None else data
         if self.compression is not None:  # the hash is of the bytes before compression
             if digest is None and self.hashes:
                 digest = content_digest(data)
@@ -376,52 +409,17 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             start = tap.start
         else:
             start = stream.tell()
-            raw_offset, checked = self._write_tensor(stream, data, hasher, item)
+            raw_offset, checked = write_tensor(stream, data, hasher, self._alignment, item.index.fqn)
         length = stream.tell() - start
         extras = ItemExtras(raw_offset, checked, block, hasher.crcs())
         result = WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, start, length))
         return result, FooterEntry(start, extras, digest if digest is not None else hasher.content_digest())
 
-    def _write_tensor(self, stream: ObjectWriter, data: Any, hasher: ItemHasher, item: WriteItem) -> tuple[int, int]:
-        """torch.save ``data`` into the stream; returns the offset of its raw bytes in what was written, and
-        their length."""
-        layout = framing.layout_of(data, self._alignment) if self._alignment else None
-        frame = framing.known(layout) if layout is not None else None
-        if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory
-            return _write_framed(stream, data, frame, hasher, data), data.nbytes
-        # A plain tensor that owns exactly its bytes is used as it is: detach()
-        # would give the same bytes and the same torch.save output, at the price
-        # of a torch op (see .tensorbytes) for each of thousands of items.
-        tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
-        # The caller's memory is uploaded in place (``data`` stays referenced
-        # with it); a temporary host copy is copied into part buffers instead,
-        # so it can be freed at once (kept alive by in-flight parts,
-        # temporaries would add to peak memory).
-        owner = None if temporary else (tensor, data)
-        tap = _ItemTap(stream, tensor, hasher, owner=owner, capture=layout is not None)
-        try:
-            save_tensor(tensor, tap)
-        except BaseException:
-            # torch's zip writer turns an exception of write() into its own
-            # RuntimeError ("unexpected pos ..."): surface the store's typed error.
-            if tap.error is not None:
-                raise tap.error from None
-            raise
-        tap.finish()
-        if tap.raw_offset is None and tensor.nbytes == 0:
-            return 0, 0  # nothing to read back
-        if tap.raw_offset is None:
-            raise AssertionError(f"could not locate the bytes of {item.index.fqn} in torch.save output")
-        captured = tap.framing
-        if layout is not None and captured is not None:
-            values = tensor_bytes(tensor, writable=False)
-            framing.learn(layout, *captured, crc32c.crc32c(values).to_bytes(4, "big"))
-        return tap.raw_offset, tensor.nbytes
-
     # -- commit -----------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = {}
         footers: dict[str, tuple[int, int]] = {}
+        tiled: dict[str, bool] = {}
         for rank_results in results:
             for wr in rank_results:
                 info = wr.storage_data
@@ -429,10 +427,13 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
                 if place is not None:  # on the first result of each object (see stripes)
                     footers[info.relative_path] = place
+                if info.__dict__.pop(TILED_RESULT_ATTR, False):
+                    tiled[info.relative_path] = True
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         referenced, reused, unchecked = incremental.collect(results, self._base_footers)
-        set_footer_table(metadata, {**footers, **referenced})
+        tiled.update({path: True for path in referenced if path in self._base_tiled})
+        set_footer_table(metadata, {**footers, **referenced}, tiled)
         share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
         metadata.version = DCP_VERSION
         body = dump_metadata(metadata)

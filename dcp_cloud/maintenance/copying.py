@@ -251,7 +251,7 @@ def _renamed_metadata(metadata: Any, rename: dict[str, str]) -> bytes:
         info.relative_path = rename[str(info.relative_path)]
     extras = getattr(metadata.storage_meta, META_ATTR, None)
     if isinstance(extras, dict):
-        for table in ("footers", "hashes"):
+        for table in ("footers", "hashes", "tiled"):
             if isinstance(extras.get(table), dict):
                 extras[table] = {rename.get(k, k): v for k, v in extras[table].items()}
     return dump_metadata(metadata)

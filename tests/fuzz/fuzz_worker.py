@@ -197,7 +197,9 @@ class CaseRun:
         allowed = need + FOOTER_SLACK_PER_OBJECT * files + INCREMENTAL_SLACK
         # Whether the check could fail at all: storing the unchanged items too would exceed the bound.
         discriminating = stored + skippable > allowed
-        self.report.facts.update(stored=stored, changed=need, unchanged=skippable, objects=files, discriminating=discriminating)
+        self.report.facts.update(
+            stored=stored, changed=need, unchanged=skippable, objects=files, discriminating=discriminating
+        )
         if stored > allowed:
             self.report.mismatches.append(
                 f"incremental save stored {stored} bytes in {files} objects, but its changed items take {need} "
