@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fuzz_cases import Case, encode_case
-from fuzz_options import Target
+from fuzz_options import STORES, Target
 from fuzz_report import failure_text, say
 from fuzz_world import World
 
@@ -47,8 +47,29 @@ def fuzz_world(moto_server: MotoServer) -> Iterator[World]:
 
 
 @pytest.fixture
-def fuzz_targets(moto_server: MotoServer, _fuzz_root: Path) -> Iterator[dict[str, Target]]:
-    """Every store a case may be drawn to run against, by name."""
+def fuzz_targets(
+    moto_server: MotoServer, _fuzz_root: Path, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Target]]:
+    """Every store a case may be drawn to run against, by name: S3 on moto and a local directory
+    (``"moto+local"``, the default), or S3 on Ceph's RADOS Gateway (``"rgw"``: a production S3
+    implementation, started for the session; skips where Ceph is not installed)."""
+    stores = getattr(request, "param", STORES[0])
+    if stores == "rgw":
+        rgw = request.getfixturevalue("rgw_target")
+        bucket = rgw.new_bucket("fuzz")
+        yield {
+            "s3-rgw": Target(
+                "s3-rgw",
+                "s3",
+                bucket,
+                endpoint_url=rgw.endpoint_url,
+                region=rgw.region,
+                env=rgw.env(),
+                min_part_size=rgw.limits.min_part_size,
+            )
+        }
+        rgw.drop_bucket(bucket)
+        return
     bucket = f"fuzz-{uuid.uuid4().hex[:12]}"
     client = moto_client(moto_server)
     client.create_bucket(Bucket=bucket)

@@ -67,6 +67,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("checksum_block_size", "transfer", (DEFAULT, 4096)),
     Option("verify_checksums", "transfer", (DEFAULT, False)),
     Option("speculative_reads", "transfer", (DEFAULT, False)),
+    #: A save setting (the load's draw changes nothing): tiles exist from chunks of 256 KiB (the "big" shapes).
+    Option("column_tiles", "transfer", (DEFAULT, 2, 8)),
     # -- S3Writer / LocalWriter keywords ------------------------------------------------------------------
     Option("checksums", "writer", (DEFAULT, False)),
     Option("compression", "writer", (DEFAULT, "zstd")),
@@ -126,6 +128,11 @@ class Target:
     #: Largest part and most parts (S3's).
     max_part_size: int = 5 * 1024 * MiB
     max_parts: int = 10_000
+
+
+#: The sets of stores a differential run draws its cases' stores from (``fuzz_targets``'s parameter):
+#: S3 on moto and a local directory, or S3 on Ceph's RADOS Gateway (a production S3 implementation).
+STORES = ("moto+local", "rgw")
 
 
 def applicable(option: Option, kind: str) -> bool:

@@ -28,34 +28,44 @@ from typing import Any
 
 import pytest
 from fuzz_cases import Case, cases, decode_case
-from fuzz_options import Target
+from fuzz_options import STORES, Target
 from fuzz_report import say
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-#: Cases of the CI tier (sized for <= 5 minutes on a 2-core machine, world start included).
-CI_CASES = 60
+#: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
+#: included), and on Ceph RGW (a fraction of them: the same code, another server's answers).
+CI_CASES = 200
+RGW_SHARE = 4
 
 
-def _tier(config: pytest.Config) -> tuple[str, int, int | None]:
+def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
     """(name, cases, seed): seed None means derandomized (the CI tier)."""
     asked = config.getoption("--fuzz-cases", default=None) or os.environ.get("DCP_CLOUD_FUZZ_CASES")
     seed_text = os.environ.get("DCP_CLOUD_FUZZ_SEED")
     seed = int(seed_text) if seed_text else None
+    count = int(asked) if asked else CI_CASES
+    if stores == "rgw":
+        count = max(1, count // RGW_SHARE)
     if asked:
-        return "long", int(asked), seed if seed is not None else random.SystemRandom().randrange(2**32)
-    return "ci", CI_CASES, seed
+        return "long", count, seed if seed is not None else random.SystemRandom().randrange(2**32)
+    return "ci", count, seed
 
 
+@pytest.mark.parametrize("fuzz_targets", STORES, indirect=True)
 def test_differential(
     request: pytest.FixtureRequest, run_case: Callable[[Case, str], Any], fuzz_targets: dict[str, Target]
 ) -> None:
-    tier, count, seed = _tier(request.config)
+    stores = request.node.callspec.params["fuzz_targets"]
+    tier, count, seed = _tier(request.config, stores)
     rerun = f"DCP_CLOUD_FUZZ_SEED={seed} " if seed is not None else ""
-    rerun += f"python -m pytest tests/fuzz/test_fuzz_differential.py -k differential --fuzz-cases {count}"
-    header = f"fuzz {tier} tier: {count} cases, " + ("derandomized" if seed is None else f"seed {seed}")
+    rerun += (
+        f"python -m pytest tests/fuzz/test_fuzz_differential.py -k 'differential and {stores}' "
+        f"--fuzz-cases {count * (RGW_SHARE if stores == 'rgw' else 1)}"
+    )
+    header = f"fuzz {tier} tier on {stores}: {count} cases, " + ("derandomized" if seed is None else f"seed {seed}")
     say(request.config, f"\n{header}; rerun: {rerun if seed is not None else 'the same command'}")
     names = tuple(sorted(fuzz_targets))
     kinds = {name: t.kind for name, t in fuzz_targets.items()}
@@ -95,9 +105,17 @@ def test_differential(
         )
 
 
-def test_replay(run_case: Callable[[Case, str], Any]) -> None:
-    """Replay the one case of ``DCP_CLOUD_FUZZ_REPLAY`` (printed by a failing run)."""
+@pytest.fixture
+def replayed() -> Case:
     blob = os.environ.get("DCP_CLOUD_FUZZ_REPLAY")
     if not blob:
         pytest.skip("set DCP_CLOUD_FUZZ_REPLAY to a case printed by a failing fuzz run")
-    run_case(decode_case(blob), "replay")
+    return decode_case(blob)
+
+
+@pytest.mark.parametrize("fuzz_targets", STORES, indirect=True)
+def test_replay(replayed: Case, run_case: Callable[[Case, str], Any], fuzz_targets: dict[str, Target]) -> None:
+    """Replay the one case of ``DCP_CLOUD_FUZZ_REPLAY`` (printed by a failing run) on the stores it ran on."""
+    if replayed.target not in fuzz_targets:
+        pytest.skip(f"the case ran on {replayed.target}")
+    run_case(replayed, "replay")
