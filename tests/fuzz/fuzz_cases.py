@@ -158,8 +158,25 @@ def shard_ranks(layout: Layout) -> set[int]:
     return set(layout.placements) if layout.kind == "chunk" else {r for _, _, r in layout.shards}
 
 
+def chunk_past_end(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether a ChunkShardingSpec layout has an empty trailing shard that starts past the end of its dim.
+
+    Torch cuts ``n`` rows into ``k`` shards of ``ceil(n / k)`` (11 rows in 8 shards of 2: the 7th and 8th
+    start at rows 12 and 14, empty), and stock's global-plan validation then rejects the save ("has out
+    of bounds chunk").
+    """
+    if layout.kind != "chunk" or not shape:
+        return False
+    n, k = shape[layout.dim], len(layout.placements)
+    split = -(-n // k)
+    return any(i * split > n for i in range(k))
+
+
 def stock_cannot_load(case: Case) -> bool:
-    """Whether stock torch (2.13) fails to load the case, so that it has no oracle.
+    """Whether stock torch (2.13) fails to save or load the case, so that it has no oracle.
+
+    A ShardedTensor chunked into more shards than torch can start inside its dim (:func:`chunk_past_end`)
+    fails stock's plan validation.
 
     ``DefaultLoadPlanner`` drops a ShardedTensor that has no shard on a rank from that rank's
     flattened state dict (``_flatten_sharded_tensors``). In a list, that leaves a hole its neighbours'
@@ -170,6 +187,9 @@ def stock_cannot_load(case: Case) -> bool:
     key in checkpoint state_dict: e2.param_groups" (an optimizer's param_groups, a dict of plain
     values). An idle ShardedTensor in a dict of a state without such dicts loads.
     """
+    tensors = [it for it in case.items if it.kind == "tensor"]
+    if any(chunk_past_end(lay, it.shape) for it in tensors for lay in (it.save, it.load)):
+        return True
     idle = [
         it
         for it in case.items
