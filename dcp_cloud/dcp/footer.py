@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, as_completed
+from concurrent.futures import CancelledError, Future, InvalidStateError, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,6 +252,20 @@ class Rider:
             self.future.set_exception(exc)
             raise
         self.future.set_result(footer)
+
+    def watch(self, carrier: Future[Any]) -> None:
+        """``carrier`` is the data request the footer rides on: should it fail before it lands the footer,
+        :attr:`future` fails with it, so that no read waiting for the footer waits for ever."""
+
+        def settle(done: Future[Any]) -> None:
+            exc = CancelledError() if done.cancelled() else done.exception()
+            if exc is not None:
+                try:
+                    self.future.set_exception(exc)
+                except InvalidStateError:  # landed (or failed) already
+                    pass
+
+        carrier.add_done_callback(settle)
 
     def _settle(self, inner: Future[dict[int, ItemExtras]]) -> None:
         exc = inner.exception()

@@ -523,6 +523,8 @@ class LoadRun:
                 self._finish_item(item)
 
         future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
+        if rider is not None:
+            rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
         self.pending.append(_Pending([future], finish, 0, what))
 
     def _check_item(self, key: str, item: LoadItem, item_start: int, item_views: list[memoryview]) -> None:

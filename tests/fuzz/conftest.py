@@ -25,6 +25,14 @@ from dcp_cloud.testing.moto_server import MotoServer, moto_env
 from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, moto_client
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long tier runs as long as its cases take (each case has its own timeout): no suite timeout."""
+    if config.getoption("--fuzz-cases", default=None) or os.environ.get("DCP_CLOUD_FUZZ_CASES"):
+        for item in items:
+            if item.get_closest_marker("fuzz_tier") is not None:
+                item.add_marker(pytest.mark.timeout(0))
+
+
 @pytest.fixture(scope="session")
 def _fuzz_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz")

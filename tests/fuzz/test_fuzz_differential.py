@@ -54,6 +54,7 @@ def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
     return "ci", count, seed
 
 
+@pytest.mark.fuzz_tier
 @pytest.mark.parametrize("fuzz_targets", STORES, indirect=True)
 def test_differential(
     request: pytest.FixtureRequest, run_case: Callable[[Case, str], Any], fuzz_targets: dict[str, Target]
