@@ -147,7 +147,9 @@ def test_metadata_is_stock_sized_and_read_once_per_load_job(
     }
     print("requests for .metadata objects:", meta)
     assert meta.get(("GET", f"/{s3_bucket}/run/step-1/.metadata")) == 1  # one GET for the 4-rank load
-    assert meta.get(("HEAD", f"/{s3_bucket}/run/step-1/.metadata")) == 3  # one cheap HEAD per other rank
+    # no request from the other ranks: in a process group they get it from rank 0 inside read_metadata, where
+    # torch gathers every rank's failure (a rank that asked the store itself could fail outside that step)
+    assert meta.get(("HEAD", f"/{s3_bucket}/run/step-1/.metadata"), 0) == 0
     assert meta.get(("GET", f"/{s3_bucket}/run/bad/.metadata"), 0) <= 2  # one per load job of it
     expected = {
         "missing": "CheckpointNotFoundError",

@@ -386,8 +386,12 @@ def test_tiled_four_to_three(tiled_root: str) -> None:
     per_rank = run_ranks(3, _load, tiled_root, [("four", "saved"), ("four", "last"), ("mesh", "last")], timeout=600)
     same_dims, columns, from_mesh = ([r[i] for r in per_rank] for i in range(3))
     _check(same_dims, "4 -> 3, each tensor on its saved dim (d: Shard(1) to Shard(1))", 1.10)
-    _check(columns, "4 -> 3, every tensor on its last dim", 1.25)
-    _check(from_mesh, "2x2 mesh -> 3 on the last dim", 1.25)
+    # A 3-way column split cuts tiles at both boundaries of the middle rank: with 8 bands it reads 4/8 of
+    # each chunk for its 1/3, and a tensor small enough for 2-4 bands (128 KiB each at least) is read
+    # almost whole by it: 1.58 on this model (untiled, every rank reads each chunk it touches whole, and the
+    # per-rank grain check fails).
+    _check(columns, "4 -> 3, every tensor on its last dim", 1.65)
+    _check(from_mesh, "2x2 mesh -> 3 on the last dim", 1.65)
 
 
 @pytest.mark.multirank
