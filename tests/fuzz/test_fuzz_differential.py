@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 #: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
 #: included), and on Ceph RGW (a fraction of them: the same code, another server's answers).
 CI_CASES = 200
-RGW_SHARE = 4
+RGW_SHARE = 8
 
 
 def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
