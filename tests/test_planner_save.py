@@ -373,3 +373,15 @@ def test_balance_replicated_is_deterministic_and_keeps_single_holders() -> None:
     assert any(i.index.fqn == "only2" for i in a[2].items)
     loads = [sum(_nbytes(i) for i in p.items if i.tensor_data is not None) for p in a]
     assert max(loads) / (sum(loads) / 4) <= 1.01
+
+
+def test_replica_fingerprint_of_a_one_element_strided_view() -> None:
+    """A one-element slice of a strided tensor is contiguous to torch with a stride other than 1: its
+    fingerprint must not take a byte view that assumes stride 1 (a bf16 replica made the save raise)."""
+    from dcp_cloud.planner.save import _fingerprint
+
+    base = torch.arange(4, dtype=torch.bfloat16)
+    view = base[::2][1:2]  # the value 2.0, stride 2
+    assert view.is_contiguous() and view.stride() == (2,)
+    assert _fingerprint(view) == _fingerprint(torch.tensor([2.0], dtype=torch.bfloat16))
+    assert _fingerprint(view) != _fingerprint(torch.tensor([3.0], dtype=torch.bfloat16))

@@ -269,7 +269,10 @@ class Exchange:
                 and target.is_contiguous()
             )
         if slot.direct:
-            slot.buf = slot.targets[0][3].reshape(-1).view(torch.uint8)
+            target = slot.targets[0][3]
+            # (as_strided, not reshape: a one-element slice of a strided tensor is contiguous to torch with a
+            # stride other than 1, which reshape keeps and a byte view refuses)
+            slot.buf = torch.as_strided(target, (target.numel(),), (1,)).view(torch.uint8)
         elif items:
             slot.buf = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
         return slot
