@@ -57,8 +57,8 @@ class LoadItem:
     """The pieces of one stored tensor chunk a load reads: their segments, and once prepared, where bytes go."""
 
     __slots__ = (
-        "base", "copies", "covered", "dtype", "end", "extras", "fills", "key", "lease", "limit", "pieces",
-        "prepared", "runs", "shape", "spans", "starts", "verify", "what",
+        "base", "copies", "covered", "device", "dtype", "end", "extras", "fills", "key", "lease", "limit",
+        "pieces", "prepared", "runs", "shape", "spans", "starts", "verify", "what",
     )  # fmt: skip
 
     shape: tuple[int, ...]
@@ -94,6 +94,9 @@ class LoadItem:
         #: copied from the earlier one's memory once the item is complete.
         self.copies: list[tuple[int, int, memoryview]] = []
         self.lease = 0
+        #: Its one piece lands on a device through pinned chunks: ``fills`` hold
+        #: :class:`~dcp_cloud.dcp.landing.DeviceSpan` s where its bytes go (see :mod:`.loadrun`).
+        self.device = False
 
     def views(self, start: int, end: int) -> list[memoryview]:
         """The destination/scratch memory of object bytes ``[start, end)`` (inside one segment)."""

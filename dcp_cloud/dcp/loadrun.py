@@ -20,8 +20,14 @@ object, and no read ever waits for a footer queued behind it.
 Items written by stock torch (no raw offsets) and bytes items are read whole,
 one request each, as before.
 
-Memory: destinations are the caller's; temporaries, block-edge scratch and
-the discard buffer are leased from the engine's budget. When the budget is
+A device destination (a CUDA tensor of the stored dtype and shape) gets
+its bytes through pinned ring chunks instead of a temporary of the whole
+tensor (:mod:`.landing`): each request reads them into a chunk, and they are
+copied to the device, asynchronously, when the request lands.
+
+Memory: destinations are the caller's; temporaries, block-edge scratch,
+bytes landing for a device and the discard buffer are leased from the
+engine's budget. When the budget is
 spent, the run first lands the oldest requests in flight (and, if none are,
 sends the request it is building), so a span of any size streams through
 bounded buffers.
@@ -48,11 +54,15 @@ from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .chunks import ChunkIndex
 from .commit import commit, commit_whole
+from .devicering import mover_for, plain, ring_for, routed
 from .footer import Rider
+from .landing import DeviceSpan, Landing, Move
 from .layout import ItemExtras
 from .loaditem import LoadItem, Piece, merge_runs, union_bytes
 from .prediction import Guess
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
+from .ringstage import flat_bytes
+from .staging import StagingConfig
 from .tensorbytes import tensor_bytes
 
 log = logging.getLogger("dcp_cloud")
@@ -86,8 +96,12 @@ class LoadRun:
         recorder: StatsRecorder,
         checkpoint_id: str,
         chunk: int | None = None,
+        staging: StagingConfig | None = None,
     ) -> None:
         self.engine = engine
+        #: The ring device destinations land through (see :mod:`.landing`).
+        self.staging = staging or StagingConfig()
+        self.landing: Landing | None = None
         self.planner = planner
         self.transfer = transfer
         #: Most bytes of one planned request (``read_chunk_size`` unless :func:`.readplan.request_size` cut
@@ -111,6 +125,9 @@ class LoadRun:
         self._b_done: list[LoadItem] = []
         #: The footer that rides on the request being built, if that request ends up whole (see read_object).
         self._rider: Rider | None = None
+        #: Device bytes of the request being built: their copies to make when it lands, and their lease.
+        self._b_moves: list[Move] = []
+        self._b_lease = 0
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -128,7 +145,9 @@ class LoadRun:
                 fut.exception()
         self.pending.clear()
         self._b_outs, self._b_checks, self._b_done = [], [], []
+        self._b_moves, self._b_lease = [], 0
         self._rider = None
+        self.close_landing()
         self._give(self._held)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
@@ -283,12 +302,12 @@ class LoadRun:
                 target, direct = piece.sink, True
             else:
                 target = self.planner.resolve_tensor(piece.req)
-                direct = (
-                    target.device.type == "cpu"
-                    and target.dtype == item.dtype
-                    and target.is_contiguous()
-                    and tuple(target.shape) == piece.lengths
+                same = target.dtype == item.dtype and target.is_contiguous() and tuple(target.shape) == piece.lengths
+                # One piece of a stored chunk on a device: lands through pinned chunks, straight into it.
+                item.device = (
+                    same and len(item.pieces) == 1 and routed(target) and plain(target) and self._landing_for(target)
                 )
+                direct = same and (target.device.type == "cpu" or item.device)
             if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
                 target = target.detach()
             piece.target, piece.direct = target, direct
@@ -303,7 +322,9 @@ class LoadRun:
         if item.runs is None:
             piece = item.pieces[0]
             assert piece.dest is not None
-            dest_bytes = tensor_bytes(piece.dest)
+            dest_bytes: Any = (
+                DeviceSpan(flat_bytes(piece.dest), 0, piece.dest.nbytes) if item.device else tensor_bytes(piece.dest)
+            )
             if piece.src is None:
                 item.fills, item.starts = [dest_bytes], [base]
                 return
@@ -340,6 +361,51 @@ class LoadRun:
                 fills.append(scratch[used : used + span_end - cursor])
                 used += span_end - cursor
         item.fills, item.starts = fills, fill_starts
+
+    def _landing_for(self, target: torch.Tensor) -> bool:
+        """Whether ``target``'s bytes can land through this run's pinned chunks (opening them at first use):
+        the ring is on, has two chunks for the run, and each holds a whole request."""
+        if self.landing is not None:
+            return target.device == self.landing.device
+        ring = ring_for(target.device, self.staging)
+        most = max(self.chunk + self.chunk // TAIL_SLACK, self.transfer.checksum_block_size)
+        if ring is None or ring.chunks < 2 or ring.chunk_bytes < most:
+            return False
+        chunks = min(ring.chunks, max(2, -(-self.engine.budget.capacity // ring.chunk_bytes)))
+        self.landing = Landing(target.device, ring, mover_for(target.device), chunks)
+        return True
+
+    def close_landing(self) -> None:
+        """Wait for the copies to devices and give the pinned chunks back (the end of a read, or a failure)."""
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.close()
+
+    def _place(self, views: list[Any]) -> tuple[list[memoryview], list[Move], int]:
+        """Pinned memory for the device spans among ``views``; returns the views to read into, the copies to
+        make when they land, and the budget leased. Lands (or sends) earlier requests while there is no room;
+        the request being built may go out without these views, which then start the next one."""
+        assert self.landing is not None
+        out: list[memoryview] = []
+        moves: list[Move] = []
+        leased = 0
+        for view in views:
+            if not isinstance(view, DeviceSpan):
+                out.append(view)
+                continue
+            leased += self.lease(len(view))
+            placed = self.landing.place(view)
+            while placed is None:
+                if self.pending:
+                    self.land(self.pending.popleft())
+                elif self._b_outs:
+                    self._send()
+                else:
+                    raise AssertionError("no room in the landing chunks for a request's device bytes")
+                placed = self.landing.place(view)
+            out.append(placed[0])
+            moves.append(placed[1])
+        return out, moves, leased
 
     def _finish_item(self, item: LoadItem) -> None:
         item.copy_shared()
@@ -433,18 +499,23 @@ class LoadRun:
         self._discard = memoryview(bytearray(size))
 
     def close(self) -> None:
-        """Return the discard buffer's lease (after :meth:`drain`)."""
+        """Return the discard buffer's lease and the landing chunks (after :meth:`drain`)."""
         self._give(self._reserved)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
+        self.close_landing()
 
     def _add(self, item: LoadItem, start: int, end: int) -> None:
+        views = item.views(start, end)
+        if item.device:  # before the request is touched: finding room may send it
+            views, moves, leased = self._place(views)
+            self._b_moves += moves
+            self._b_lease += leased
         outs = self._b_outs
         if not outs:
             self._b_start = start
         elif start > self._b_end:
             self._gap_to(outs, start)
-        views = item.views(start, end)
         outs.extend(views)
         if item.verify or isinstance(item.extras, Guess):
             self._b_checks.append((item, start, views))
@@ -473,6 +544,8 @@ class LoadRun:
             return
         outs, checks, done = self._b_outs, self._b_checks, self._b_done
         self._b_outs, self._b_checks, self._b_done = [], [], []
+        moves, lease = self._b_moves, self._b_lease
+        self._b_moves, self._b_lease = [], 0
         key, start, end = self._b_key, self._b_start, self._b_end
         tail: memoryview | None = None
         if rider is not None:
@@ -497,12 +570,19 @@ class LoadRun:
                     pos += len(view)
                 self._verify(key, item.base, extras, item.what, pieces)
 
+        landing = self.landing
+
         def finish() -> None:
+            if moves:
+                assert landing is not None
+                landing.move(moves)  # to the devices, while the next requests are read
+                if any(item.device for item in done):
+                    landing.publish()  # before their tensors go to the planner
             for item in done:
                 self._finish_item(item)
 
         future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
-        self.pending.append(_Pending([future], finish, 0, what))
+        self.pending.append(_Pending([future], finish, lease, what))
 
     # -- verification -----------------------------------------------------
     def _verify(self, key: str, base: int, extras: ItemExtras, what: str, pieces: list[tuple[int, memoryview]]) -> None:

@@ -10,6 +10,7 @@ by writing ``.metadata`` last, create-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -40,6 +41,8 @@ from .base import CloudBase, log
 from .checksum import checksum_block_for
 from .contenthash import ItemHasher
 from .contenthash import digest as content_digest
+from .devicefeed import Resolver, SaveFeed, piece_bytes
+from .devicering import mover_for, ring_for
 from .footer import FooterEntry
 from .footer import encode as encode_footer
 from .itemtap import _host_tensor, _ItemTap, _plain_and_exact, _write_framed
@@ -72,6 +75,22 @@ class _ShardPlan:
     name: str
     #: Base items this rank's items may equal (incremental saves; see .incremental).
     refs: dict[Any, incremental.BaseRef] | None = None
+
+
+def _write_fed(
+    stream: ObjectWriter, tensor: torch.Tensor, hasher: Any, feed: SaveFeed, frame: tuple[bytes, bytes]
+) -> tuple[int, int]:
+    """Write a device tensor as torch.save writes its host copy, its bytes coming off the device through
+    ``feed``: each piece is hashed and copied into the part buffers while the next is copied off the device.
+    Returns the offset of the raw bytes in what was written, and their length."""
+    header, trailer = frame
+    stream.write(header)
+    for view in feed.pieces(tensor):
+        if hasher is not None:
+            hasher.update(view)
+        stream.write(view)
+    stream.write(trailer)
+    return len(header), tensor.nbytes
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -309,7 +328,15 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         sizes = [_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
         count = stripe_count(sum(sizes), self.transfer.part_size, self.transfer.max_objects_per_rank)
         runs = split_runs(sizes, count)
-        with Committer(len(runs)) as committer:
+        part_size = max(engine.part_size_for(sum(sizes[i] for i in run)) for run in runs)
+        resolver = Resolver(
+            [items[i] for run in runs for i in run],
+            planner.resolve_data,
+            base.hashed,
+            self._feed_factory(engine, part_size),
+            lambda tensor: framing.host_copy_frame(tensor, self._alignment),
+        )
+        with Committer(len(runs)) as committer, contextlib.closing(resolver):
             for index, run in enumerate(runs):
                 name = stripe_name(shard.name, index)
                 key = self.uri.key(name)
@@ -318,8 +345,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 entries: list[FooterEntry] = []
                 for i in run:
                     item = items[i]
-                    data, digest = base.hashed.pop(item.index, (None, None))
-                    result, entry = self._write_item(stream, name, item, planner, data, digest)
+                    data, digest, frame = resolver.take(item)
+                    fed = (resolver.feed, frame) if frame is not None else None
+                    result, entry = self._write_item(stream, name, item, planner, data, digest, fed)
                     unchecked = base.unchecked.get(item.index)
                     if unchecked is not None:
                         setattr(result.storage_data, incremental.UNCHECKED_RESULT_ATTR, unchecked)
@@ -334,6 +362,20 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             committer.wait()
         return engine.budget.peak
 
+    def _feed_factory(self, engine: Any, part_size: int) -> Any:
+        """How the save opens its device feed (see :mod:`.devicefeed`), at its first device tensor."""
+
+        def open_feed(first: torch.Tensor) -> SaveFeed | None:
+            if self.compression is not None or not self._alignment:
+                return None
+            ring = ring_for(first.device, self.staging)
+            piece = piece_bytes(ring.chunk_bytes, engine.budget, part_size) if ring is not None else 0
+            if ring is None or not piece:
+                return None
+            return SaveFeed(first.device, ring, mover_for(first.device), piece, engine.budget)
+
+        return open_feed
+
     def _write_item(
         self,
         stream: ObjectWriter,
@@ -342,9 +384,11 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         planner: SavePlanner,
         data: Any = None,
         digest: bytes | None = None,
+        fed: tuple[Any, tuple[bytes, bytes]] | None = None,
     ) -> tuple[WriteResult, FooterEntry]:
         """Write one item; its block CRCs, and (recording hashes) its content hash unless ``digest`` is it
-        already, are computed in the same pass over its bytes."""
+        already, are computed in the same pass over its bytes. ``fed``: the device feed its bytes come
+        through, and the framing of its host copy."""
         block = checksum_block_for(_item_nbytes(item), self.transfer.checksum_block_size) if self.checksums else 0
         data = planner.resolve_data(item) if data is None else data
         if self.compression is not None:  # the hash is of the bytes before compression
@@ -370,6 +414,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             raw_offset, checked = None, len(payload)
             del payload
             start = tap.start
+        elif fed is not None:
+            start = stream.tell()
+            raw_offset, checked = _write_fed(stream, data, hasher, *fed)
         else:
             start = stream.tell()
             raw_offset, checked = self._write_tensor(stream, data, hasher, item)
