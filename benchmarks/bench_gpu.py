@@ -40,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -401,6 +402,13 @@ def main() -> None:
     started = time.perf_counter()
     header = _header() if torch.cuda.is_available() else f"DRY RUN on CPU tensors, torch {torch.__version__}"
     print(header, flush=True)
+    notes = []
+    tmpfs = os.path.dirname(os.path.abspath(args.workdir))
+    need = (args.saves + 1.5) * args.size_gb * GiB  # a contender's checkpoints, all kept until it ends
+    if os.path.isdir(tmpfs) and shutil.disk_usage(tmpfs).free < need:  # a container's 64 MiB /dev/shm
+        args.workdir = os.path.join(tempfile.gettempdir(), os.path.basename(args.workdir))
+        notes.append(f"{tmpfs} has under {need / GiB:.0f} GiB free: local files went to {args.workdir} instead")
+        print(f"note: {notes[-1]}", flush=True)
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
     results: dict[str, dict[str, Any]] = {}
@@ -415,7 +423,6 @@ def main() -> None:
             spec["saves"] = 1
         plan.append((name, spec, None))
     server = None if args.no_s3 else _s3_server(args.workdir)
-    notes = []
     if isinstance(server, str):
         notes.append(server)
         server = None
