@@ -264,6 +264,15 @@ def test_tiled_save_from_a_device_goes_through_the_feed(tmp_path: Path, monkeypa
     assert _equal(stock, want)
 
 
+def test_compressed_save_from_a_device_writes_as_before(tmp_path: Path) -> None:
+    """Compressed items have no torch.save framing to stream into: device tensors take the compression path."""
+    state = _state(11)
+    with route_cpu(deferred=True):
+        dcp.save(state, storage_writer=LocalWriter(tmp_path / "c", staging=SMALL, compression="zstd"))
+        assert devicering.ring_bytes() == 0, "no feed opened"
+    assert _equal(_load(tmp_path / "c", _clone(state)), _clone(state))
+
+
 def test_ring_off_saves_and_loads_as_before(tmp_path: Path) -> None:
     state = _state(7)
     off = StagingConfig(ring_chunks=0)

@@ -258,7 +258,10 @@ def save_resolver(
             return None
         return SaveFeed(first.device, ring, mover_for(first.device), piece, budget)
 
-    return Resolver(order, resolve, resolved, open_feed, lambda tensor: framing.host_copy_frame(tensor, alignment))
+    def frame_of(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+        return framing.host_copy_frame(tensor, alignment) if alignment else None
+
+    return Resolver(order, resolve, resolved, open_feed, frame_of)
 
 
 def write_fed(
