@@ -128,6 +128,7 @@ class S3Reader(CloudReader):
         process_group: Any = None,
         share_metadata: bool = True,
         share_reads: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -137,6 +138,7 @@ class S3Reader(CloudReader):
             process_group=process_group,
             share_metadata=share_metadata,
             share_reads=share_reads,
+            staging=staging,
         )
 
     @classmethod
@@ -212,6 +214,7 @@ class GCSReader(CloudReader):
         process_group: Any = None,
         share_metadata: bool = True,
         share_reads: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -221,6 +224,7 @@ class GCSReader(CloudReader):
             process_group=process_group,
             share_metadata=share_metadata,
             share_reads=share_reads,
+            staging=staging,
         )
 
     @classmethod
@@ -278,6 +282,7 @@ class LocalReader(CloudReader):
         process_group: Any = None,
         share_metadata: bool = True,
         share_reads: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id,
@@ -287,4 +292,5 @@ class LocalReader(CloudReader):
             process_group=process_group,
             share_metadata=share_metadata,
             share_reads=share_reads,
+            staging=staging,
         )

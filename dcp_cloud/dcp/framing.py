@@ -20,9 +20,11 @@ CRC32 depends on the values) nothing is learned at all.
 
 from __future__ import annotations
 
+import io
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import serialize, torchprivate
@@ -35,6 +37,8 @@ MAX_LAYOUTS = 4096
 
 _lock = threading.Lock()
 _known: dict[Layout, tuple[bytes, bytes]] = {}
+#: Framing of host copies of device tensors, from torch.save of an untouched tensor of the layout.
+_synthetic: dict[Layout, tuple[bytes, bytes]] = {}
 #: First sample of a layout not yet confirmed: (header, trailer, digest of the values); None: never reuse.
 _pending: dict[Layout, tuple[bytes, bytes, bytes] | None] = {}
 
@@ -97,8 +101,64 @@ def learn(layout: Layout, header: bytes, trailer: bytes, digest: bytes) -> None:
             _pending[layout] = None
 
 
+def host_copy_frame(tensor: torch.Tensor, alignment: int) -> tuple[bytes, bytes] | None:
+    """``(header, trailer)`` that torch.save writes around the raw bytes of the host copy of ``tensor``, a
+    plain contiguous tensor on a device (what the writer saved for it before the ring: ``.to("cpu")``,
+    same shape and strides, a storage of exactly its bytes, no Python state).
+
+    Without the zip CRC32 (:mod:`.serialize`) the framing does not depend on the values, so it is taken
+    from torch.save of an uninitialized host tensor of the same layout whose bytes are never touched
+    (they are skipped by address, like the writer's tap skips them): no host copy of the tensor is made.
+    """
+    if not serialize.usable():
+        return None
+    layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.nbytes, alignment)
+    with _lock:
+        got = _known.get(layout) or _synthetic.get(layout)
+    if got is not None:
+        return got
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+    probe = _Probe(fake)
+    serialize.save_tensor(fake, probe)
+    if probe.raw is None:
+        return None
+    frame = (bytes(probe.parts[0]), bytes(probe.parts[1]))
+    with _lock:
+        if len(_synthetic) < MAX_LAYOUTS:
+            _synthetic[layout] = frame
+    return frame
+
+
+class _Probe(io.RawIOBase):
+    """A torch.save sink that keeps the bytes before and after ``tensor``'s raw bytes, and skips those."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._ptr, self._nbytes = tensor.data_ptr(), tensor.nbytes
+        self.parts = (bytearray(), bytearray())
+        self.raw: int | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        if self.raw is None and n == self._nbytes and _address(mv) == self._ptr:
+            self.raw = len(self.parts[0])
+        else:
+            part = self.parts[self.raw is not None]
+            part += mv
+        return n
+
+
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
 def forget() -> None:
     """Drop everything learned (tests)."""
     with _lock:
         _known.clear()
         _pending.clear()
+        _synthetic.clear()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem
 
 from ..errors import CorruptCheckpointError
 from .torchprivate import StorageInfo
@@ -114,6 +115,27 @@ class ItemExtras:
 
     def crc(self, block: int) -> int:
         return int.from_bytes(self.crcs[4 * block : 4 * block + 4], "big")
+
+
+def _numel(sizes: Any) -> int:
+    numel = 1
+    for s in sizes:
+        numel *= s
+    return numel
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes of a write item's whole tensor (all chunks); 0 for a bytes item."""
+    td = item.tensor_data
+    return 0 if td is None else _numel(td.size) * td.properties.dtype.itemsize
+
+
+def chunk_nbytes(item: WriteItem) -> int:
+    """Bytes of a write item itself (its chunk); 0 for a bytes item."""
+    td = item.tensor_data
+    if td is None:
+        return 0
+    return _numel(td.size if td.chunk is None else td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def storage_info(relative_path: str, offset: int, length: int, extras: ItemExtras | None = None) -> StorageInfo:

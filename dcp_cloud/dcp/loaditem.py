@@ -19,6 +19,7 @@ item is complete.
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .layout import ItemExtras
+from .tensorbytes import tensor_bytes
 
 __all__ = ["LoadItem", "Piece"]
 
@@ -57,8 +59,8 @@ class LoadItem:
     """The pieces of one stored tensor chunk a load reads: their segments, and once prepared, where bytes go."""
 
     __slots__ = (
-        "base", "copies", "covered", "dtype", "end", "extras", "fills", "key", "lease", "limit", "pieces",
-        "prepared", "runs", "shape", "spans", "starts", "verify", "what",
+        "base", "copies", "covered", "device", "dtype", "end", "extras", "fills", "key", "lease", "limit",
+        "pieces", "prepared", "runs", "shape", "spans", "starts", "verify", "what",
     )  # fmt: skip
 
     shape: tuple[int, ...]
@@ -94,6 +96,56 @@ class LoadItem:
         #: copied from the earlier one's memory once the item is complete.
         self.copies: list[tuple[int, int, memoryview]] = []
         self.lease = 0
+        #: Its one piece lands on a device through pinned chunks: ``fills`` hold
+        #: :class:`~dcp_cloud.dcp.landing.DeviceSpan` s where its bytes go (see :mod:`.loadrun`).
+        self.device = False
+
+    def lay_out(self, scratch_bytes: int, device: Any = None) -> None:
+        """Where every segment byte goes (:attr:`fills` from :attr:`starts`), once each piece has its ``dest``:
+        runs of a piece land in its destination's bytes, the rest of a segment (block edges, a gap) in
+        ``scratch_bytes`` of scratch. ``device``: the bytes of the one piece's destination where it is on a
+        device (a :class:`~dcp_cloud.dcp.landing.DeviceSpan`), else they are the destination's memory."""
+        base = self.base
+        if self.runs is None:
+            piece = self.pieces[0]
+            assert piece.dest is not None
+            dest_bytes: Any = device if device is not None else tensor_bytes(piece.dest)
+            if piece.src is None:
+                self.fills, self.starts = [dest_bytes], [base]
+                return
+            run = piece.run_nbytes
+            runs = [(start, start + run, dest_bytes, i * run) for i, start in enumerate(piece.src.tolist())]
+        else:
+            all_bytes = [tensor_bytes(p.dest) if p.dest is not None else memoryview(b"") for p in self.pieces]
+            sizes = [p.run_nbytes for p in self.pieces]
+            starts, ends, owner, index = (a.tolist() for a in self.runs)
+            runs = [(s, e, all_bytes[p], i * sizes[p]) for s, e, p, i in zip(starts, ends, owner, index, strict=True)]
+        scratch = memoryview(bytearray(scratch_bytes))
+        used = 0
+        fills: list[memoryview] = []
+        fill_starts: list[int] = []
+        for span_start, span_end, first, end in self.spans:
+            cursor = span_start
+            for i in range(first, end):
+                run_start, run_end, dest_bytes, at = runs[i]
+                if run_start > cursor:
+                    fill_starts.append(base + cursor)
+                    fills.append(scratch[used : used + run_start - cursor])
+                    used += run_start - cursor
+                elif run_start < cursor:  # bytes an earlier run lands too: copied from there at the end
+                    shared = min(run_end, cursor)
+                    self.copies.append((base + run_start, base + shared, dest_bytes[at : at + shared - run_start]))
+                    at += shared - run_start
+                    run_start = shared
+                if run_end > run_start:
+                    fill_starts.append(base + run_start)
+                    fills.append(dest_bytes[at : at + run_end - run_start])
+                    cursor = run_end
+            if cursor < span_end:
+                fill_starts.append(base + cursor)
+                fills.append(scratch[used : used + span_end - cursor])
+                used += span_end - cursor
+        self.fills, self.starts = fills, fill_starts
 
     def views(self, start: int, end: int) -> list[memoryview]:
         """The destination/scratch memory of object bytes ``[start, end)`` (inside one segment)."""

@@ -20,8 +20,14 @@ object, and no read ever waits for a footer queued behind it.
 Items written by stock torch (no raw offsets) and bytes items are read whole,
 one request each, as before.
 
-Memory: destinations are the caller's; temporaries, block-edge scratch and
-the discard buffer are leased from the engine's budget. When the budget is
+A device destination (a CUDA tensor of the stored dtype and shape) gets
+its bytes through pinned ring chunks instead of a temporary of the whole
+tensor (:mod:`.landing`): each request reads them into a chunk, and they are
+copied to the device, asynchronously, when the request lands.
+
+Memory: destinations are the caller's; temporaries, block-edge scratch,
+bytes landing for a device and the discard buffer are leased from the
+engine's budget. When the budget is
 spent, the run first lands the oldest requests in flight (and, if none are,
 sends the request it is building), so a span of any size streams through
 bounded buffers.
@@ -48,12 +54,15 @@ from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .chunks import ChunkIndex
 from .commit import commit, commit_whole
+from .devicering import plain, routed
 from .footer import Rider
+from .landing import DeviceSpan, Landing, Move, open_landing
 from .layout import ItemExtras
 from .loaditem import LoadItem, Piece, merge_runs, union_bytes
 from .prediction import Guess
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
-from .tensorbytes import tensor_bytes
+from .ringstage import flat_bytes
+from .staging import StagingConfig
 
 log = logging.getLogger("dcp_cloud")
 
@@ -86,8 +95,12 @@ class LoadRun:
         recorder: StatsRecorder,
         checkpoint_id: str,
         chunk: int | None = None,
+        staging: StagingConfig | None = None,
     ) -> None:
         self.engine = engine
+        #: The ring device destinations land through (see :mod:`.landing`).
+        self.staging = staging or StagingConfig()
+        self.landing: Landing | None = None
         self.planner = planner
         self.transfer = transfer
         #: Most bytes of one planned request (``read_chunk_size`` unless :func:`.readplan.request_size` cut
@@ -114,6 +127,9 @@ class LoadRun:
         #: The footer of the object being read when it may ride on the object's last request: its earlier
         #: requests do not wait for it in their workers (see _send).
         self._late: Rider | None = None
+        #: Device bytes of the request being built: their copies to make when it lands, and their lease.
+        self._b_moves: list[Move] = []
+        self._b_lease = 0
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -131,7 +147,9 @@ class LoadRun:
                 fut.exception()
         self.pending.clear()
         self._b_outs, self._b_checks, self._b_done = [], [], []
+        self._b_moves, self._b_lease = [], 0
         self._rider = self._late = None
+        self.close_landing()
         self._give(self._held)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
@@ -167,11 +185,7 @@ class LoadRun:
         budget = self.engine.budget
         stuck = False
         while budget.used + nbytes > budget.capacity:
-            if self.pending:
-                self.land(self.pending.popleft())
-            elif self._b_outs:
-                self._send()
-            else:
+            if not self._make_room():
                 stuck = True
                 break
         grant = max(0, min(nbytes, budget.capacity - self._reserved))
@@ -180,6 +194,16 @@ class LoadRun:
         budget.acquire(grant)
         self._held += grant
         return grant
+
+    def _make_room(self) -> bool:
+        """Land the oldest request in flight, or else send the one being built; False where there is neither."""
+        if self.pending:
+            self.land(self.pending.popleft())
+        elif self._b_outs:
+            self._send()
+        else:
+            return False
+        return True
 
     # -- whole items (stock-written tensors, bytes) ------------------------
     def start_whole(
@@ -294,12 +318,12 @@ class LoadRun:
                 target, direct = piece.sink, True
             else:
                 target = self.planner.resolve_tensor(piece.req)
-                direct = (
-                    target.device.type == "cpu"
-                    and target.dtype == item.dtype
-                    and target.is_contiguous()
-                    and tuple(target.shape) == piece.lengths
+                same = target.dtype == item.dtype and target.is_contiguous() and tuple(target.shape) == piece.lengths
+                # One piece of a stored chunk on a device: lands through pinned chunks, straight into it.
+                item.device = (
+                    same and len(item.pieces) == 1 and routed(target) and plain(target) and self._landing_for(target)
                 )
+                direct = same and (target.device.type == "cpu" or item.device)
             if target.requires_grad:  # copy_ into it, and hand it to the planner, without autograd
                 target = target.detach()
             piece.target, piece.direct = target, direct
@@ -310,47 +334,23 @@ class LoadRun:
         for piece in item.pieces:
             assert piece.target is not None
             piece.dest = piece.target if piece.direct else torch.empty(piece.lengths, dtype=item.dtype)
-        base = item.base
-        if item.runs is None:
-            piece = item.pieces[0]
-            assert piece.dest is not None
-            dest_bytes = tensor_bytes(piece.dest)
-            if piece.src is None:
-                item.fills, item.starts = [dest_bytes], [base]
-                return
-            run = piece.run_nbytes
-            runs = [(start, start + run, dest_bytes, i * run) for i, start in enumerate(piece.src.tolist())]
-        else:
-            all_bytes = [tensor_bytes(p.dest) if p.dest is not None else memoryview(b"") for p in item.pieces]
-            sizes = [p.run_nbytes for p in item.pieces]
-            starts, ends, owner, index = (a.tolist() for a in item.runs)
-            runs = [(s, e, all_bytes[p], i * sizes[p]) for s, e, p, i in zip(starts, ends, owner, index, strict=True)]
-        scratch = memoryview(bytearray(scratch_bytes))
-        used = 0
-        fills: list[memoryview] = []
-        fill_starts: list[int] = []
-        for span_start, span_end, first, end in spans:
-            cursor = span_start
-            for i in range(first, end):
-                run_start, run_end, dest_bytes, at = runs[i]
-                if run_start > cursor:
-                    fill_starts.append(base + cursor)
-                    fills.append(scratch[used : used + run_start - cursor])
-                    used += run_start - cursor
-                elif run_start < cursor:  # bytes an earlier run lands too: copied from there at the end
-                    shared = min(run_end, cursor)
-                    item.copies.append((base + run_start, base + shared, dest_bytes[at : at + shared - run_start]))
-                    at += shared - run_start
-                    run_start = shared
-                if run_end > run_start:
-                    fill_starts.append(base + run_start)
-                    fills.append(dest_bytes[at : at + run_end - run_start])
-                    cursor = run_end
-            if cursor < span_end:
-                fill_starts.append(base + cursor)
-                fills.append(scratch[used : used + span_end - cursor])
-                used += span_end - cursor
-        item.fills, item.starts = fills, fill_starts
+        dest = item.pieces[0].dest
+        assert dest is not None
+        # A device destination's bytes are placed in pinned chunks as requests are built (see _add)
+        item.lay_out(scratch_bytes, DeviceSpan(flat_bytes(dest), 0, dest.nbytes) if item.device else None)
+
+    def _landing_for(self, target: torch.Tensor) -> bool:
+        """Whether ``target``'s bytes can land through this run's pinned chunks (opening them at first use)."""
+        if self.landing is None:
+            most = max(self.chunk + self.chunk // TAIL_SLACK, self.transfer.checksum_block_size)
+            self.landing = open_landing(target.device, self.staging, most, self.engine.budget.capacity)
+        return self.landing is not None and target.device == self.landing.device
+
+    def close_landing(self) -> None:
+        """Wait for the copies to devices and give the pinned chunks back (the end of a read, or a failure)."""
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.close()
 
     def _finish_item(self, item: LoadItem) -> None:
         item.copy_shared()
@@ -453,18 +453,24 @@ class LoadRun:
         self._discard = memoryview(bytearray(size))
 
     def close(self) -> None:
-        """Return the discard buffer's lease (after :meth:`drain`)."""
+        """Return the discard buffer's lease and the landing chunks (after :meth:`drain`)."""
         self._give(self._reserved)
         self._reserved = 0
         self._discard = memoryview(bytearray(0))
+        self.close_landing()
 
     def _add(self, item: LoadItem, start: int, end: int) -> None:
+        views = item.views(start, end)
+        if item.device:  # before the request is touched: finding room may send it
+            assert self.landing is not None
+            views, moves, leased = self.landing.place_all(views, self.lease, self._make_room)
+            self._b_moves += moves
+            self._b_lease += leased
         outs = self._b_outs
         if not outs:
             self._b_start = start
         elif start > self._b_end:
             self._gap_to(outs, start)
-        views = item.views(start, end)
         outs.extend(views)
         if item.verify or isinstance(item.extras, Guess):
             self._b_checks.append((item, start, views))
@@ -493,6 +499,8 @@ class LoadRun:
             return
         outs, checks, done = self._b_outs, self._b_checks, self._b_done
         self._b_outs, self._b_checks, self._b_done = [], [], []
+        moves, lease = self._b_moves, self._b_lease
+        self._b_moves, self._b_lease = [], 0
         key, start, end = self._b_key, self._b_start, self._b_end
         late = self._late
         tail: memoryview | None = None
@@ -514,18 +522,25 @@ class LoadRun:
                 else:
                     self._check_item(key, *entry)
 
+        landing = self.landing
+
         def finish() -> None:
             if deferred and late is not None:
                 late.send()  # a no-op once the request carrying it is queued
-                for entry in deferred:
+                for entry in deferred:  # before device bytes leave their landing chunk
                     self._check_item(key, *entry)
+            if moves:
+                assert landing is not None
+                landing.move(moves)  # to the devices, while the next requests are read
+                if any(item.device for item in done):
+                    landing.publish()  # before their tensors go to the planner
             for item in done:
                 self._finish_item(item)
 
         future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
         if rider is not None:
             rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
-        self.pending.append(_Pending([future], finish, 0, what))
+        self.pending.append(_Pending([future], finish, lease, what))
 
     def _check_item(self, key: str, item: LoadItem, item_start: int, item_views: list[memoryview]) -> None:
         """Confirm a guessed item's extras (waiting for its footer) and verify its blocks in ``item_views``

@@ -69,6 +69,7 @@ from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess
 from .readplan import request_size
 from .sharedreads import Exchange
+from .staging import StagingConfig
 
 
 class CloudReader(CloudBase, StorageReader):
@@ -84,8 +85,12 @@ class CloudReader(CloudBase, StorageReader):
         process_group: Any = None,
         share_metadata: bool = True,
         share_reads: bool = True,
+        staging: StagingConfig | None = None,
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
+        #: The pinned ring that loads into device tensors land through (``ring_chunks``, ``ring_chunk_bytes``,
+        #: ``pin_memory``; see :mod:`.landing`).
+        self.staging = staging or StagingConfig()
         #: The group ``dcp.load`` runs in (None: the default group); its rank 0 fetches the metadata.
         self.process_group = process_group
         #: Fetch ``.metadata`` once per group and broadcast it (when a process group is up).
@@ -263,11 +268,14 @@ class CloudReader(CloudBase, StorageReader):
         t = self.transfer
         chunk = request_size(list(sizes.values()) or [0], self._world(), t.concurrency, t.read_chunk_size)
         with self._engine() as engine:
-            run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk)
-            if schedule is None:
-                self._read_own(run, records)
-            else:
-                self._read_shared(run, records, schedule)
+            run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk, self.staging)
+            try:
+                if schedule is None:
+                    self._read_own(run, records)
+                else:
+                    self._read_shared(run, records, schedule)
+            finally:
+                run.close_landing()  # every copy to a device is done when the load returns
             peak = engine.budget.peak
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)

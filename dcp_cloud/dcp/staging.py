@@ -20,8 +20,12 @@ and stages into a process-wide :class:`HostPool` instead:
   slab-sized chunks) and device tensors are copied with ``non_blocking=True``
   on a side stream, with one synchronize at the end. A new arena is pinned
   in a background thread after its first staging, while that save uploads,
-  so the first save pays no pinning: it copies into pageable memory once, the
-  next saves into pinned memory.
+  so the first save pays no pinning. The first save copies through the
+  process's small pinned ring instead (:mod:`.ringstage`): device copies
+  into one ring chunk overlap host threads copying the chunk before into
+  the still pageable arena; later saves copy straight into the pinned arena.
+  With ``pin_arenas=False`` arenas stay pageable and every save goes through
+  the ring.
 
 Without CUDA the same pool works with pageable memory.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -41,6 +46,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .devicering import free_rings, mover_for, pin_tensor, plain, ring_for, routed
+from .ringstage import copy_through_ring
 from .torchprivate import dtensor_like, is_sharded_tensor
 
 log = logging.getLogger("dcp_cloud")
@@ -48,8 +55,6 @@ log = logging.getLogger("dcp_cloud")
 MiB = 1024 * 1024
 #: Alignment of every tensor inside a slab (any dtype, and cache-line friendly).
 _ALIGN = 64
-#: cudaHostRegisterPortable: the pinned pages count as pinned in every CUDA context.
-_HOST_REGISTER_PORTABLE = 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,19 @@ class StagingConfig:
     #: ``dcp.async_save`` returns an ``AsyncSaveResponse`` whose
     #: ``staging_completion`` says when training may change the state again.
     background: bool = False
+    #: Chunks of the process's pinned ring per device (see :mod:`.devicering`), which device tensors pass
+    #: through: the first save of a layout into its arena, every synchronous save from a device, every load
+    #: into one. ``0``: no ring (device copies go straight to pageable memory, as before the ring).
+    ring_chunks: int = 4
+    #: Bytes of one ring chunk. The ring is made at its first use with the sizes of the config in use then,
+    #: and kept until ``free_staging_pool()``.
+    ring_chunk_bytes: int = 64 * MiB
+    #: Page-lock a new arena in the background after its first save (the next saves copy straight into it,
+    #: as fast as the device copies). ``False``: arenas stay pageable and every save goes through the ring
+    #: (a device copy plus a host copy each time, and no ``cudaHostRegister`` of the arena).
+    pin_arenas: bool = True
+    #: Host threads copying ring chunks into an arena; ``None``: up to 8, at most the CPUs.
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.pool_bytes is not None and self.pool_bytes < 0:
@@ -82,6 +100,17 @@ class StagingConfig:
                 f"(torch's AsyncSaveResponse), which torch {torch.__version__} lacks: upgrade torch or "
                 "leave background off (staging then copies before async_save returns)"
             )
+        if self.ring_chunks < 0:
+            raise ConfigError(f"ring_chunks must be >= 0, got {self.ring_chunks}")
+        if self.ring_chunk_bytes < MiB:
+            raise ConfigError(f"ring_chunk_bytes must be >= 1 MiB, got {self.ring_chunk_bytes}")
+        if self.copy_threads is not None and self.copy_threads < 1:
+            raise ConfigError(f"copy_threads must be >= 1 or None, got {self.copy_threads}")
+
+    @property
+    def host_threads(self) -> int:
+        """Host threads copying ring chunks into arenas."""
+        return self.copy_threads or max(1, min(8, os.cpu_count() or 1))
 
 
 def async_save_takes_futures() -> bool:
@@ -93,25 +122,6 @@ def async_save_takes_futures() -> bool:
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _pin(slab: torch.Tensor) -> None:
-    """Page-lock ``slab`` in place (exact size, unlike the caching pinned allocator's powers of two).
-
-    Through the CUDA runtime that ``torch.cuda.cudart()`` exposes, as torch's own private
-    ``_pin_memory_utils`` (2.7+) does it: public, and present on every torch the package supports.
-    """
-    ptr = slab.data_ptr()
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, slab.numel(), _HOST_REGISTER_PORTABLE))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {slab.numel()} bytes failed with cudaError {err}")
-    weakref.finalize(slab, _unpin, ptr)
-
-
-def _unpin(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err != 0:
-        log.warning("cudaHostUnregister of a staging buffer failed with cudaError %d", err)
 
 
 class Arena:
@@ -147,7 +157,7 @@ class Arena:
         def pin_all() -> None:
             try:
                 for slab in self.slabs:
-                    _pin(slab)
+                    pin_tensor(slab)
                 self.pinned = True
             except Exception as exc:  # noqa: BLE001 - pageable memory still works, only slower
                 log.warning(
@@ -232,9 +242,11 @@ POOL = HostPool()
 def free_staging_pool() -> int:
     """Free the host buffers kept for staging between saves; returns the bytes freed.
 
-    Buffers of a save still in flight are freed once it finishes.
+    Buffers of a save still in flight are freed once it finishes. The pinned
+    rings that device tensors pass through are freed too (made again at the
+    next save or load from or into a device).
     """
-    return POOL.clear()
+    return POOL.clear() + free_rings()
 
 
 class Lease:
@@ -287,6 +299,31 @@ def _rebuild(obj: Any, staged: Callable[[], torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
+def _copy_through_rings(
+    sources: list[torch.Tensor], dests: list[torch.Tensor], config: StagingConfig
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy the contiguous device sources through their device's ring (see :mod:`.ringstage`); returns the
+    sources and destinations left to copy."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, src in enumerate(sources):
+        if routed(src) and src.nbytes and plain(src):
+            by_device.setdefault(src.device, []).append(i)
+    done: set[int] = set()
+    for device, indices in by_device.items():
+        ring = ring_for(device, config)
+        if ring is None:
+            continue
+        with torch.no_grad():
+            copy_through_ring(
+                [sources[i] for i in indices], [dests[i] for i in indices], ring, mover_for(device), config.host_threads
+            )
+        done.update(indices)
+    if not done:
+        return sources, dests
+    left = [i for i in range(len(sources)) if i not in done]
+    return [sources[i] for i in left], [dests[i] for i in left]
+
+
 def _copy_all(sources: list[torch.Tensor], dests: list[torch.Tensor]) -> None:
     """Copy every source into its destination; device tensors non-blocking on a side stream, one sync."""
     on_device = [i for i, s in enumerate(sources) if s.device.type == "cuda"]
@@ -322,13 +359,16 @@ def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, 
             view.view(src.dtype).view(src.shape) if src.numel() else torch.empty(src.shape, dtype=src.dtype)
             for view, src in zip(arena.views(), sources, strict=False)
         ]
-        _copy_all(sources, dests)
+        if arena.pinned:  # straight into page-locked memory: as fast as the device copies
+            _copy_all(sources, dests)
+        else:  # a pageable arena (the first save of a layout): device tensors through the pinned ring
+            _copy_all(*_copy_through_rings(sources, dests, config))
         order = iter(dests)
         staged = _rebuild(state_dict, lambda: next(order))
     except BaseException:
         lease.release()
         raise
-    if pin and config.pool:
+    if pin and config.pool and config.pin_arenas:
         arena.pin_in_background()  # while this save uploads; the next one copies into pinned memory
     return staged, lease
 

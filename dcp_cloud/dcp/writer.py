@@ -10,6 +10,7 @@ by writing ``.metadata`` last, create-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -43,6 +44,7 @@ from .checksum import checksum_block_for
 from .contenthash import ItemHasher
 from .contenthash import digest as content_digest
 from .createonly import put_create_only
+from .devicefeed import save_resolver, write_fed
 from .footer import FooterEntry
 from .footer import encode as encode_footer
 from .itemtap import _ItemTap, write_tensor
@@ -51,8 +53,10 @@ from .layout import (
     FOOTER_RESULT_ATTR,
     TILED_RESULT_ATTR,
     ItemExtras,
+    chunk_nbytes,
     dump_metadata,
     is_shard_path,
+    item_nbytes,
     load_metadata,
     set_footer_table,
     shard_name,
@@ -74,27 +78,6 @@ class _ShardPlan:
     name: str
     #: Base items this rank's items may equal (incremental saves; see .incremental).
     refs: dict[Any, incremental.BaseRef] | None = None
-
-
-def _item_nbytes(item: WriteItem) -> int:
-    """Bytes of the item's whole tensor (all chunks); 0 for a bytes item."""
-    if item.tensor_data is None:
-        return 0
-    numel = 1
-    for s in item.tensor_data.size:
-        numel *= s
-    return numel * item.tensor_data.properties.dtype.itemsize
-
-
-def _chunk_nbytes(item: WriteItem) -> int:
-    """Bytes of the item itself (its chunk); 0 for a bytes item."""
-    td = item.tensor_data
-    if td is None:
-        return 0
-    numel = 1
-    for s in td.size if td.chunk is None else td.chunk.sizes:
-        numel *= s
-    return numel * td.properties.dtype.itemsize
 
 
 class CloudWriter(CloudBase, StorageWriter, AsyncStager):
@@ -303,13 +286,13 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
-        items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -_item_nbytes(it)))
+        items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -item_nbytes(it)))
         tiles = self._tiles
         resolve = planner.resolve_data if not tiles else lambda item: tiles.resolve(item, planner.resolve_data)
         with self._engine() as engine:
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
-            base = incremental.sort_out(items, refs, resolve, _item_nbytes)
+            base = incremental.sort_out(items, refs, resolve, item_nbytes)
             done = {wr.index for wr in base.unchanged}
             items = [it for it in items if it.index not in done]
             # torch.save's storage alignment, read once per save (a process setting that framing depends on)
@@ -337,10 +320,20 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         results: list[WriteResult],
     ) -> int:
         """Stream ``items`` into this rank's objects, each with its index footer; returns the peak of the budget."""
-        sizes = [_item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
+        sizes = [item_nbytes(it) + _FRAMING_ALLOWANCE for it in items]
         count = stripe_count(sum(sizes), self.transfer.part_size, self.transfer.max_objects_per_rank)
         runs = split_runs(sizes, count)
-        with Committer(len(runs)) as committer:
+        # Items in write order, each resolved once; device tensors' bytes come off the device through the ring
+        resolver = save_resolver(
+            [items[i] for run in runs for i in run],
+            resolve,
+            base.hashed,
+            self.staging,
+            engine.budget,
+            lambda: max(engine.part_size_for(sum(sizes[i] for i in run)) for run in runs),
+            self._alignment if self.compression is None else 0,
+        )
+        with Committer(len(runs)) as committer, contextlib.closing(resolver):
             for index, run in enumerate(runs):
                 name = stripe_name(shard.name, index)
                 key = self.uri.key(name)
@@ -349,8 +342,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
                 entries: list[FooterEntry] = []
                 for i in run:
                     item = items[i]
-                    data, digest = base.hashed.pop(item.index, (None, None))
-                    result, entry = self._write_item(stream, name, item, resolve, data, digest)
+                    data, digest, frame = resolver.take(item)
+                    fed = (resolver.feed, frame) if frame is not None else None
+                    result, entry = self._write_item(stream, name, item, resolve, data, digest, fed)
                     unchecked = base.unchecked.get(item.index)
                     if unchecked is not None:
                         setattr(result.storage_data, incremental.UNCHECKED_RESULT_ATTR, unchecked)
@@ -375,13 +369,14 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         resolve: Callable[[WriteItem], Any],
         data: Any = None,
         digest: bytes | None = None,
+        fed: tuple[Any, tuple[bytes, bytes]] | None = None,
     ) -> tuple[WriteResult, FooterEntry]:
         """Write one item (``resolve``: the planner's resolve_data, or the tiles' over it); its block CRCs,
         and (recording hashes) its content hash unless ``digest`` is it already, are computed in the same
-        pass over its bytes."""
+        pass over its bytes. ``fed``: the device feed its bytes come through, and the framing of its host copy."""
         # Tiled saves size blocks by the item (a tile is a fraction of its tensor): the reads of a tile's rows
         # are widened to blocks of its own scale
-        basis = _chunk_nbytes(item) if self._tiles_on else _item_nbytes(item)
+        basis = chunk_nbytes(item) if self._tiles_on else item_nbytes(item)
         block = checksum_block_for(basis, self.transfer.checksum_block_size) if self.checksums else 0
         data = resolve(item) if data is None else data
         if self.compression is not None:  # the hash is of the bytes before compression
@@ -407,6 +402,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
             raw_offset, checked = None, len(payload)
             del payload
             start = tap.start
+        elif fed is not None:
+            start = stream.tell()
+            raw_offset, checked = write_fed(stream, data, hasher, *fed)
         else:
             start = stream.tell()
             raw_offset, checked = write_tensor(stream, data, hasher, self._alignment, item.index.fqn)
