@@ -47,11 +47,10 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, DcpCloudError
+from ..errors import CorruptCheckpointError, DcpCloudError
 from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
-from .checksum import bad_blocks, slice_pieces, verify_blocks
 from .chunks import ChunkIndex
 from .commit import commit, commit_whole
 from .devicering import plain, routed
@@ -60,17 +59,12 @@ from .landing import DeviceSpan, Landing, Move, open_landing
 from .layout import ItemExtras
 from .loaditem import LoadItem, Piece, merge_runs, union_bytes
 from .prediction import Guess
+from .readcheck import ReadVerifier
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
 from .ringstage import flat_bytes
 from .staging import StagingConfig
 
 log = logging.getLogger("dcp_cloud")
-
-
-def _real(extras: ItemExtras) -> ItemExtras:
-    """The extras recorded in the footer: guessed ones are confirmed against it (waiting for it; GuessMiss if
-    the guess was wrong), recorded ones are returned as they are."""
-    return extras.confirm() if isinstance(extras, Guess) else extras
 
 
 @dataclass
@@ -108,6 +102,8 @@ class LoadRun:
         self.chunk = chunk or transfer.read_chunk_size
         self.chunks = chunks
         self.recorder = recorder
+        #: Checks the bytes it reads against the stored CRC32C (see :mod:`.readcheck`).
+        self.verifier = ReadVerifier(engine.store, recorder)
         self.checkpoint_id = checkpoint_id
         self.pending: deque[_Pending] = deque()
         self._discard = memoryview(bytearray(0))
@@ -221,7 +217,7 @@ class LoadRun:
         lease = self.lease(info.length)
         buf = bytearray(info.length)
         if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
-            check = self._whole_checker(key, info.offset, extras, what)
+            check = self.verifier.whole_checker(key, info.offset, extras, what)
             futures = self.engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check)
         else:
             futures = self.engine.read(key, info.offset, [memoryview(buf)])
@@ -231,22 +227,6 @@ class LoadRun:
             commit_whole(planner, req, info, buf, transforms, what)
 
         self.pending.append(_Pending(futures, finish, lease, what))
-
-    def _whole_checker(
-        self, key: str, base: int, extras: ItemExtras, what: str
-    ) -> Callable[[int, list[memoryview]], None]:
-        def check(offset: int, outs: list[memoryview]) -> None:
-            real = _real(extras)
-            if not real.block_size:
-                return
-            pieces = []
-            pos = offset
-            for view in outs:
-                pieces.append((pos, view))
-                pos += len(view)
-            self._verify(key, base, real, what, pieces)
-
-        return check
 
     # -- coalesced items --------------------------------------------------
     def plan_item(
@@ -520,7 +500,7 @@ class LoadRun:
                 if late is not None and not late.future.done() and isinstance(entry[0].extras, Guess):
                     deferred.append(entry)  # its footer rides on a later request: checked when this lands
                 else:
-                    self._check_item(key, *entry)
+                    self.verifier.check_item(key, *entry)
 
         landing = self.landing
 
@@ -528,7 +508,7 @@ class LoadRun:
             if deferred and late is not None:
                 late.send()  # a no-op once the request carrying it is queued
                 for entry in deferred:  # before device bytes leave their landing chunk
-                    self._check_item(key, *entry)
+                    self.verifier.check_item(key, *entry)
             if moves:
                 assert landing is not None
                 landing.move(moves)  # to the devices, while the next requests are read
@@ -541,35 +521,3 @@ class LoadRun:
         if rider is not None:
             rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
         self.pending.append(_Pending([future], finish, lease, what))
-
-    def _check_item(self, key: str, item: LoadItem, item_start: int, item_views: list[memoryview]) -> None:
-        """Confirm a guessed item's extras (waiting for its footer) and verify its blocks in ``item_views``
-        (object bytes from ``item_start``)."""
-        extras = _real(item.extras)
-        if not (item.verify and extras.block_size):
-            return
-        pieces = []
-        pos = item_start - item.base
-        for view in item_views:
-            pieces.append((pos, view))
-            pos += len(view)
-        self._verify(key, item.base, extras, item.what, pieces)
-
-    # -- verification -----------------------------------------------------
-    def _verify(self, key: str, base: int, extras: ItemExtras, what: str, pieces: list[tuple[int, memoryview]]) -> None:
-        """Check the blocks of one item in ``pieces`` (offsets from ``base``); runs in the worker that read them.
-
-        A mismatch can come from bytes damaged on the way (a faulty NIC, proxy
-        or driver) rather than at rest, so the mismatching blocks are read once
-        more, in place, before anything is raised; a second mismatch means the
-        stored bytes are damaged.
-        """
-        args = (extras.block_size, extras.checked_length, extras.crcs)
-        bad = bad_blocks(pieces, *args)
-        if not bad:
-            return
-        log.warning("checksum mismatch in %d block(s) of %s; reading them once more", len(bad), what)
-        for start, end in bad:
-            self.recorder.on_retry("read", ChecksumMismatchError(what))
-            self.engine.store.read_into(key, base + start, slice_pieces(pieces, start, end))
-        verify_blocks(pieces, *args, describe=what, base_offset=base)

@@ -293,14 +293,14 @@ class Exchange:
             return engine.read(key, info.offset, [memoryview(buf)]), _nothing
         assert extras is not None
         if descs or extras.raw_offset is None:  # checksums cover the stored item from its first byte
-            check = run._whole_checker(key, info.offset, extras, what)
+            check = run.verifier.whole_checker(key, info.offset, extras, what)
             return engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check), _nothing
         raw = extras.raw_offset
         base = info.offset + raw
 
         def after_whole() -> None:  # checksums cover the raw tensor bytes only
             view = memoryview(buf)[raw : raw + extras.checked_length]
-            run._verify(key, base, extras, what, [(0, view)])
+            run.verifier.verify(key, base, extras, what, [(0, view)])
 
         return engine.read(key, info.offset, [memoryview(buf)]), after_whole
 
