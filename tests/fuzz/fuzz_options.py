@@ -84,6 +84,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("background", "staging", (DEFAULT, True)),
     Option("slab_bytes", "staging", (DEFAULT, 1 * MiB)),
     Option("pool_bytes", "staging", (DEFAULT, 0)),
+    # The device ring: it engages for CUDA tensors only (these CPU cases check that it changes nothing else);
+    # the reader gets the same StagingConfig as the writer.
+    Option("ring_chunks", "staging", (DEFAULT, 0, 2)),
+    Option("ring_chunk_bytes", "staging", (DEFAULT, 1 * MiB)),
+    Option("pin_arenas", "staging", (DEFAULT, False)),
+    Option("copy_threads", "staging", (DEFAULT, 1)),
     # -- S3Config ------------------------------------------------------------------------------------------
     Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
     # -- how the case calls DCP ----------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class CaseRun:
         c = self.case
         transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.load_transfer)))
         kw = _given(by_scope(c.options, "reader"))
+        kw["staging"] = dcp_cloud.StagingConfig(**_given(by_scope(c.options, "staging")))
         if self.no_dist:
             kw.update(share_metadata=False, process_group=None)
         else:
