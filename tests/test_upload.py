@@ -99,6 +99,26 @@ def test_any_mix_of_copied_and_borrowed_writes_stores_the_exact_bytes(ops: list[
     assert store.list_multipart("") == []
 
 
+@pytest.mark.parametrize("inflight", [2, 3])
+def test_copies_between_borrowed_writes_share_a_buffer_and_never_outgrow_the_budget(inflight: int) -> None:
+    """Copied writes larger than a small copy, each followed by a borrowed one (a transposed weight, then a
+    plain one, in one object): every part holds many copies. Each copy used to take a buffer of its own
+    until its part was sent, so a part of more copies than the budget has buffers waited for ever."""
+    part = 1024 * KiB
+    ops: list[Op] = [("copy", 70 * KiB), ("view", 70 * KiB)] * 40  # 7 copies of over 64 KiB in each part
+    store = RecordingStore()
+    config = TransferConfig(part_size=part, max_inflight_parts=inflight, concurrency=3, multipart_threshold=part)
+    done: list[tuple[bytes, list[bytearray]]] = []
+    with TransferEngine(store, config, RETRY) as engine:
+        thread = threading.Thread(target=lambda: done.append(_write(engine, "obj", ops)), daemon=True)
+        thread.start()
+        thread.join(30)
+        assert done, f"the writer waited for budget for 30 s (in use: {engine.budget.used} of {engine.budget.capacity})"
+        assert engine.budget.used == 0
+        assert engine.budget.peak <= engine.budget.capacity
+    assert store.get("obj") == done[0][0]
+
+
 def test_borrowed_bytes_are_sent_from_the_callers_memory() -> None:
     store = RecordingStore()
     tensor = bytearray(os.urandom(3 * PART + 123))
@@ -256,3 +276,31 @@ def test_s3_store_needs_no_sweep() -> None:
     assert S3Store.sweeps_after_complete is False
     assert StoreWrapper(S3Store("bucket")).sweeps_after_complete is False
     assert StoreWrapper(MemoryStore()).sweeps_after_complete is True
+
+
+def test_default_save_of_transposed_and_plain_weights_in_turn_finishes(tmp_path: object) -> None:
+    """With the default TransferConfig, 40 transposed (copied) and 40 plain (in place) 512 KiB weights in
+    turn: the save used to wait for budget for ever (each copy held a 16 MiB buffer until its
+    part was sent, and a part held more copies than the budget has buffers)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_cloud import LocalWriter
+
+    state = {}
+    for i in range(40):
+        state[f"t{i}"] = torch.randn(512, 256).t()  # non-contiguous: copied into part buffers
+        state[f"p{i}"] = torch.randn(256, 512)  # plain: uploaded in place
+    done: list[bool] = []
+
+    def save() -> None:
+        dcp.save(state, storage_writer=LocalWriter(f"{tmp_path}/ckpt"), no_dist=True)
+        done.append(True)
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done, "the save did not finish within 60 s"
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, checkpoint_id=f"{tmp_path}/ckpt", no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)

@@ -56,9 +56,14 @@ class ObjectWriter(io.RawIOBase):
         self.key = key
         self._part_size = part_size
         self._create_only = create_only
-        # The pending part: ``_pieces`` (``_piece_bytes`` long), then ``_buf[:_fill]``.
+        # The pending part: ``_pieces`` (``_piece_bytes`` long), then ``_buf[_start:_fill]``. Copies between
+        # borrowed pieces go on filling the same buffer (its earlier regions are pieces already, the buffer
+        # leased once to the part), so a part holds at most two buffers however its copies and borrowed
+        # views interleave; a fresh buffer per copy would let one part take more than the whole budget.
         self._buf: mmap.mmap | None = None
+        self._start = 0
         self._fill = 0
+        self._buf_leased = False
         self._pieces: list[Buffer] = []
         self._piece_bytes = 0
         self._leases: list[mmap.mmap] = []  # pool buffers the pending pieces point into
@@ -94,14 +99,18 @@ class ObjectWriter(io.RawIOBase):
         mv = byte_view(b)
         total = len(mv)
         while len(mv):
+            if self._buf is not None and self._fill == len(self._buf):  # full, its part not: on in a fresh one
+                self._seal_copied()
+                self._buf, self._buf_leased, self._start, self._fill = None, False, 0, 0
             if self._buf is None:
                 self._buf = self._pool.get()
-                self._fill = 0
-            n = min(len(mv), self._part_size - self._piece_bytes - self._fill)
+                self._start = self._fill = 0
+            room = min(self._part_size - self._piece_bytes - (self._fill - self._start), len(self._buf) - self._fill)
+            n = min(len(mv), room)
             self._buf[self._fill : self._fill + n] = mv[:n]
             self._fill += n
             mv = mv[n:]
-            if self._piece_bytes + self._fill == self._part_size:
+            if self._piece_bytes + self._fill - self._start == self._part_size:
                 self._send_part()
         self._pos += total
         return total
@@ -136,29 +145,34 @@ class ObjectWriter(io.RawIOBase):
             raise self._error
 
     def _seal_copied(self) -> None:
-        """Turn the copied bytes of the part buffer into a piece of the pending part."""
-        if self._buf is None or not self._fill:
+        """Turn the copied bytes of the part buffer not yet in a piece into a piece of the pending part."""
+        n = self._fill - self._start
+        if self._buf is None or not n:
             return
-        if self._fill <= _SMALL_COPY:
-            self._pieces.append(bytes(memoryview(self._buf)[: self._fill]))  # keep the buffer
+        region = memoryview(self._buf)[self._start : self._fill]
+        if n <= _SMALL_COPY:
+            self._pieces.append(bytes(region))
+            self._fill = self._start  # copied out: the space is written again
         else:
-            self._pieces.append(memoryview(self._buf)[: self._fill])
-            self._leases.append(self._buf)
-            self._buf = None
-        self._piece_bytes += self._fill
-        self._fill = 0
+            self._pieces.append(region)
+            if not self._buf_leased:  # released with the part, whatever pieces of it the part holds
+                self._leases.append(self._buf)
+                self._buf_leased = True
+            self._start = self._fill
+        self._piece_bytes += n
 
     def _take_pending(self) -> tuple[list[Buffer], list[mmap.mmap], list[Any], int]:
         self._seal_copied()
         taken = (self._pieces, self._leases, self._owners, self._piece_bytes)
         self._pieces, self._leases, self._owners, self._piece_bytes = [], [], [], 0
+        if self._buf_leased:  # the buffer goes with the part taken
+            self._buf, self._buf_leased, self._start, self._fill = None, False, 0, 0
         return taken
 
     def _drop_buffer(self) -> None:
-        if self._buf is not None:
+        if self._buf is not None and not self._buf_leased:
             self._pool.put(self._buf)
-            self._buf = None
-            self._fill = 0
+        self._buf, self._buf_leased, self._start, self._fill = None, False, 0, 0
 
     def _release(self, leases: list[mmap.mmap]) -> None:
         for buf in leases:
@@ -244,7 +258,7 @@ class ObjectWriter(io.RawIOBase):
 
     def _commit(self) -> ObjectInfo:
         self._raise_if_failed()
-        pending = self._piece_bytes + self._fill
+        pending = self._piece_bytes + self._fill - self._start
         if self._upload_id is None and (not self._held or self._held_bytes + pending < self._single_limit):
             pieces, leases, _owners, size = self._take_pending()
             held, self._held, self._held_bytes = self._held, [], 0
