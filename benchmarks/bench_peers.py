@@ -103,9 +103,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         extra = (BT._wire_s3_save if save else BT._wire_s3_load)(spec, sd)
     elif spec["contender"] == "wire_gcs":
-        import bench_peers_gcs as BG
+        import _gcs_wire as GW
 
-        extra = (BG.blob_save if save else BG.blob_load)(spec, sd)
+        extra = (GW.blob_save if save else GW.blob_load)(spec, sd)
     elif save:
         writer = P.make_writer(spec)
         dcp.save(sd, storage_writer=writer)

@@ -57,37 +57,6 @@ GOALS: tuple[Any, ...] = (
 )
 
 
-# ============================================================================ child side (the wire)
-
-
-def _blob(spec: dict[str, Any]) -> Any:
-    from google.cloud import storage
-
-    bucket, _, prefix = spec["uri"].split("://", 1)[1].partition("/")
-    return storage.Client().bucket(bucket).blob(f"{prefix}/wire.bin")
-
-
-def blob_save(spec: dict[str, Any], sd: dict[str, Any]) -> dict[str, Any]:
-    """The state dict's bytes as one blob, with google-cloud-storage's defaults (resumable, 100 MiB chunks)."""
-    import bench_throughput as BT
-
-    views = C.tensor_byte_views(sd)
-    _blob(spec).upload_from_file(BT._ScatterReader(views), size=sum(len(v) for v in views))
-    return {}
-
-
-def blob_load(spec: dict[str, Any], dest: dict[str, Any]) -> dict[str, Any]:
-    """The one blob downloaded with google-cloud-storage's defaults, written into the tensors as it comes."""
-    import bench_throughput as BT
-
-    views = C.tensor_byte_views(dest)
-    sink = BT._ScatterWriter(views)
-    _blob(spec).download_to_file(sink)
-    if sink.written != sum(len(v) for v in views):
-        raise OSError(f"the blob had {sink.written} bytes, not {sum(len(v) for v in views)}")
-    return {}
-
-
 # ============================================================================ parent side
 
 
