@@ -61,7 +61,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from dcp_cloud.dcp import footer as footer_module
-    from dcp_cloud.dcp import loadrun as loadrun_module
+    from dcp_cloud.dcp import readcheck as readcheck_module
     from dcp_cloud.dcp import reader as reader_module
     from dcp_cloud.store.s3 import store as s3_store
 
@@ -96,7 +96,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             footers[0] += 1
         return read_footer(*args, **kwargs)
 
-    bad_blocks = loadrun_module.bad_blocks
+    bad_blocks = readcheck_module.bad_blocks
 
     def timed_bad_blocks(*args: Any) -> Any:
         c0 = time.thread_time()
@@ -118,7 +118,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     s3_store.S3Store.read_into = timed_read_into  # type: ignore[method-assign]
     footer_module._read = counted_footer  # type: ignore[assignment]
-    loadrun_module.bad_blocks = timed_bad_blocks  # type: ignore[assignment]
+    readcheck_module.bad_blocks = timed_bad_blocks  # type: ignore[assignment]
     reader_module.CloudReader.read_data = timed_read_data  # type: ignore[method-assign]
     dist.barrier()
     cpu0 = time.process_time()
