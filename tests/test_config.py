@@ -1,4 +1,5 @@
-"""TransferConfig's default concurrency: more connections for a process alone on its host."""
+"""TransferConfig's default concurrency: more connections for a process alone on its host, and the host's
+connections split between the ranks that share it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from dcp_cloud.config import ALONE_CONCURRENCY, SHARED_CONCURRENCY
         ({"WORLD_SIZE": "1"}, ALONE_CONCURRENCY),
         ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "1"}, ALONE_CONCURRENCY),  # one rank per host
         ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "8"}, SHARED_CONCURRENCY),  # torchrun, 8 ranks per host
-        ({"WORLD_SIZE": "4"}, SHARED_CONCURRENCY),  # ranks per host unknown: assume shared
-        ({"LOCAL_WORLD_SIZE": "x"}, SHARED_CONCURRENCY),
+        ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "4"}, SHARED_CONCURRENCY),  # 4 x 8: the host's 32
+        ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "3"}, 11),  # 3 ranks keep the host's 32 busy: ceil(32 / 3)
+        ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "2"}, ALONE_CONCURRENCY),  # 32 / 2, no more than alone
+        ({"WORLD_SIZE": "4"}, SHARED_CONCURRENCY),  # ranks per host unknown: WORLD_SIZE stands in
+        ({"LOCAL_WORLD_SIZE": "x"}, SHARED_CONCURRENCY),  # unreadable: the smaller default
     ],
 )
 def test_default_concurrency_follows_the_ranks_sharing_the_host(
