@@ -78,7 +78,9 @@ class TransferConfig:
     #: Worker threads issuing requests (uploads and ranged reads), each with its own connection. Default
     #: (:func:`default_concurrency`, read from the environment when the config is made): 16 in a process
     #: alone on its host; where several ranks share one (torchrun's ``LOCAL_WORLD_SIZE`` > 1), 32 split
-    #: between them, 8 to 16 each (2 ranks: 16, 3: 11, 4 or more: 8).
+    #: between them, 8 to 16 each (2 ranks: 16, 3: 11, 4 or more: 8). A load runs up to twice this many reads
+    #: at once while they are small, keeping as many bytes in flight as ``concurrency`` requests of
+    #: ``read_chunk_size`` would (see ``transfer.engine.ReadGate``).
     concurrency: int = field(default_factory=default_concurrency)
     #: Objects smaller than this are written with one PUT instead of
     #: multipart: a stream holds its first parts until it knows the object's

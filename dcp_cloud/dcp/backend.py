@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from ..config import RetryConfig, TransferConfig
 from ..store.protocol import ObjectStore, PartLimits
+from ..transfer.engine import READ_BURST
 
 
 class Backend(Protocol):
@@ -36,7 +37,7 @@ class S3Backend:
             bucket,
             self.config or S3Config(),
             request_timeout=retry.request_timeout,
-            max_connections=transfer.concurrency + 2,
+            max_connections=transfer.concurrency * READ_BURST + 2,
             limits=self.limits,
         )
 
@@ -58,7 +59,7 @@ class GCSBackend:
             self.config or GCSConfig(),
             credentials=self.credentials,
             request_timeout=retry.request_timeout,
-            max_connections=transfer.concurrency + 2,
+            max_connections=transfer.concurrency * READ_BURST + 2,
         )
 
     def __getstate__(self) -> dict[str, Any]:

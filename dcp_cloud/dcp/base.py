@@ -87,8 +87,13 @@ class CloudBase:
         hooks = RetryHooks(on_attempt=self._recorder.on_attempt, on_retry=self._recorder.on_retry)
         return RetryingStore(self.store, self.retry, hooks)
 
+    #: ``TransferEngine(read_burst=...)`` of this side's engine: readers run more small reads at once.
+    _read_burst = 1
+
     def _engine(self) -> TransferEngine:
-        return TransferEngine(self.store, self.transfer, self.retry, recorder=self._recorder)
+        return TransferEngine(
+            self.store, self.transfer, self.retry, recorder=self._recorder, read_burst=self._read_burst
+        )
 
     def _set_uri(self, checkpoint_id: str | os.PathLike[str]) -> None:
         self.uri = parse_uri(checkpoint_id, self.backend.schemes)

@@ -50,6 +50,7 @@ from torch.futures import Future as TorchFuture
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
 from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
+from ..transfer.engine import READ_BURST
 from .backend import Backend
 from .base import CloudBase, log
 from .chunks import ChunkIndex
@@ -74,6 +75,8 @@ from .staging import StagingConfig
 
 class CloudReader(CloudBase, StorageReader):
     """Load a DCP checkpoint from an object store (use S3Reader / GCSReader to build one)."""
+
+    _read_burst = READ_BURST  # small reads (resharded loads) run on up to twice ``concurrency`` connections
 
     def __init__(
         self,
