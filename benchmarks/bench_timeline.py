@@ -26,7 +26,8 @@ A second table breaks each load down rank by rank: the ReadItems of its plan, it
 fetched with GETs of their own apart), the MiB it fetched, the milliseconds from ``read_data``'s start to
 its first GET (planning inside the reader), the CPU of ``read_data`` and the part of it spent checking
 CRC32C blocks, and how busy its connections were: the GETs' summed durations over ``concurrency`` x the
-span from its first GET to its last. The s3rver CPU per GET is the server's CPU over the load divided by
+span from its first GET to its last (above 100% where small reads ran on more than ``concurrency``
+connections: see ``transfer.engine.ReadGate``). The s3rver CPU per GET is the server's CPU over the load divided by
 every rank's GETs.
 """
 
