@@ -110,3 +110,22 @@ def test_engine_threads_follow_the_burst(read_burst: int) -> None:
     with TransferEngine(MemoryStore(), config, RetryConfig(), read_burst=read_burst) as engine:
         assert engine._executor._max_workers == 3 * read_burst
         assert (engine.gate is None) == (read_burst == 1)
+
+
+def test_tiled_objects_are_read_in_requests_the_budget_holds_twice_per_connection() -> None:
+    """Tiles land through temporaries leased from the budget until their request lands: at 16 MiB requests
+    a same-layout load of a tiled rank leased fewer requests than it had connections, and its last request
+    waited for its first to land. A tiled object's requests are at most budget / (2 x concurrency)."""
+    from dcp_cloud.dcp.chunks import ChunkIndex
+    from dcp_cloud.dcp.loadrun import LoadRun
+    from dcp_cloud.transfer.stats import StatsRecorder
+
+    config = TransferConfig(concurrency=8)  # budget 16 MiB x 8 = 128 MiB
+    with TransferEngine(MemoryStore(), config, RetryConfig(), read_burst=READ_BURST) as engine:
+        run = LoadRun(engine, None, config, ChunkIndex({}), StatsRecorder(), "mem://ck", 16 << 20)  # type: ignore[arg-type]
+        assert run._object_chunk(False) == 16 << 20
+        assert run._object_chunk(True) == 8 << 20  # 128 MiB / 16
+    small = TransferConfig(concurrency=8, part_size=1 << 20, max_inflight_parts=2)  # a 2 MiB budget
+    with TransferEngine(MemoryStore(), small, RetryConfig(), read_burst=READ_BURST) as engine:
+        run = LoadRun(engine, None, small, ChunkIndex({}), StatsRecorder(), "mem://ck", 16 << 20)  # type: ignore[arg-type]
+        assert run._object_chunk(True) == small.checksum_block_size  # never below one checksum block

@@ -385,18 +385,19 @@ class LoadRun:
                     yield Segment(item.base + start, item.base + end, block, item.base, (item.base, item.limit))
 
         t = self.transfer
+        chunk = self._object_chunk(tiled)
         requests = iter_requests(
             segments(),
             max_gap=t.coalesce_gap,
             ratio=t.coalesce_ratio,
-            chunk=self.chunk,
+            chunk=chunk,
             free_gap=FRAMING_GAP,
             neighbour_gap=t.reshard_gap if t.coalesce_gap and not tiled else 0,  # coalesce_gap=0: byte-exact
         )
         self._late = rider
         for request in requests:
             if rider is not None and not rider.sent and request.last:
-                if self._may_carry(request, rider):
+                if self._may_carry(request, rider, chunk):
                     self._rider = rider  # sent with this request unless a lease sends part of it first
                 else:
                     rider.send()
@@ -410,18 +411,29 @@ class LoadRun:
                 self._add(item, start, end)
             self._send(carry=True)
 
-    def _may_carry(self, request: Request, rider: Rider) -> bool:
+    def _object_chunk(self, tiled: bool) -> int:
+        """Most bytes of one request of an object. A tiled object's items land through temporaries leased
+        from the budget (a tile is a column band of its destination), held from when its request is built
+        until it lands: at the run's ``chunk`` (16 MiB), a same-layout load of a tiled rank could lease
+        fewer requests than it has connections, and its last request waited for its first to land (one
+        request's time more). At most ``budget / (2 x concurrency)``, twice as many requests as
+        connections fit in the budget."""
+        if not tiled:
+            return self.chunk
+        share = self.engine.budget.capacity // (2 * self.transfer.concurrency)
+        return max(self.transfer.checksum_block_size, min(self.chunk, share))
+
+    def _may_carry(self, request: Request, rider: Rider, chunk: int) -> bool:
         """Whether ``request`` may read the footer as its tail: the gap to it is one the plan would read
         through (framing, or within ``coalesce_ratio`` of the request's wanted bytes; none with
-        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within the run's ``chunk``
-        (plus the slack a request may run over)."""
+        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within ``chunk`` (the
+        object's, plus the slack a request may run over)."""
         t = self.transfer
         gap = rider.start - request.end
         discarded = request.end - request.start - request.wanted - request.free
         through = gap <= min(FRAMING_GAP, t.coalesce_gap) or (
             gap <= t.coalesce_gap and discarded + gap <= t.coalesce_ratio * request.wanted
         )
-        chunk = self.chunk
         return gap >= 0 and through and rider.end - request.start <= chunk + chunk // TAIL_SLACK
 
     def _reserve_discard(self) -> None:
