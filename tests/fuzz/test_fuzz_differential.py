@@ -27,9 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fuzz_cases import Case, cases, decode_case
+from fuzz_cases import Case, cases, decode_case, encode_case
 from fuzz_options import STORES, Target
-from fuzz_report import say
+from fuzz_report import REPLAY, say
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
@@ -71,6 +71,7 @@ def test_differential(
     names = tuple(sorted(fuzz_targets))
     kinds = {name: t.kind for name, t in fuzz_targets.items()}
     done: list[float] = []
+    slowest: list[tuple[float, str, Case]] = []  # the slowest case so far: (seconds, label, case)
     incremental: list[dict[str, Any]] = []
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("DCP_CLOUD_FUZZ_SHRINK") else [])
     started = time.monotonic()
@@ -89,6 +90,8 @@ def test_differential(
         label = f"case {len(done) + 1} of {count}, {header}"
         outcome = run_case(case, label)
         done.append(outcome.seconds)
+        if not slowest or outcome.seconds > slowest[0][0]:
+            slowest[:] = [(outcome.seconds, label, case)]
         incremental.append(outcome.reports[0].facts)
 
     if seed is not None:
@@ -104,6 +107,9 @@ def test_differential(
             f"incremental byte checks: {len(checked)}, of which {sum(f['discriminating'] for f in checked)} "
             "would have failed had nothing been skipped",
         )
+        if slowest:
+            seconds, label, case = slowest[0]
+            say(request.config, f"slowest: {label} ({seconds:.1f} s): " + REPLAY.format(blob=encode_case(case)))
 
 
 @pytest.fixture
