@@ -128,4 +128,4 @@ def test_tiled_objects_are_read_in_requests_the_budget_holds_twice_per_connectio
     small = TransferConfig(concurrency=8, part_size=1 << 20, max_inflight_parts=2)  # a 2 MiB budget
     with TransferEngine(MemoryStore(), small, RetryConfig(), read_burst=READ_BURST) as engine:
         run = LoadRun(engine, None, small, ChunkIndex({}), StatsRecorder(), "mem://ck", 16 << 20)  # type: ignore[arg-type]
-        assert run._object_chunk(True) == small.checksum_block_size  # never below one checksum block
+        assert run._object_chunk(True) == 2 << 20  # never below MIN_SPLIT (the budget cuts shorter as it fills)
