@@ -60,7 +60,7 @@ from .layout import ItemExtras
 from .loaditem import LoadItem, Piece, merge_runs, union_bytes
 from .prediction import Guess
 from .readcheck import ReadVerifier
-from .readplan import FRAMING_GAP, MIN_SPLIT, TAIL_SLACK, Request, Segment, iter_requests, plan_spans
+from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans, tiled_request_size
 from .ringstage import flat_bytes
 from .staging import StagingConfig
 
@@ -412,18 +412,10 @@ class LoadRun:
             self._send(carry=True)
 
     def _object_chunk(self, tiled: bool) -> int:
-        """Most bytes of one request of an object. A tiled object's items land through temporaries leased
-        from the budget (a tile is a column band of its destination), held from when its request is built
-        until it lands: at the run's ``chunk`` (16 MiB), a same-layout load of a tiled rank could lease
-        fewer requests than it has connections, and its last request waited for its first to land (one
-        request's time more). At most ``budget / (2 x concurrency)``, twice as many requests as
-        connections fit in the budget; never below :data:`~.readplan.MIN_SPLIT` (shorter requests wait
-        more for their first byte than they move; a budget too small for that already sends shorter
-        requests as it fills)."""
+        """Most bytes of one request of an object (see :func:`.readplan.tiled_request_size`)."""
         if not tiled:
             return self.chunk
-        share = self.engine.budget.capacity // (2 * self.transfer.concurrency)
-        return min(self.chunk, max(MIN_SPLIT, share))
+        return tiled_request_size(self.chunk, self.engine.budget.capacity, self.transfer.concurrency)
 
     def _may_carry(self, request: Request, rider: Rider, chunk: int) -> bool:
         """Whether ``request`` may read the footer as its tail: the gap to it is one the plan would read

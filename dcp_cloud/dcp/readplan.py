@@ -108,6 +108,25 @@ def request_size(sizes: Sequence[int], world: int, concurrency: int, chunk: int)
     return min(chunk, size)
 
 
+def tiled_request_size(chunk: int, budget: int, concurrency: int) -> int:
+    """The size to cut the requests of a tiled object into (see :mod:`dcp_cloud.planner.tiles`), for a run
+    whose requests are ``chunk`` long.
+
+    A tile is a column band of its destination, so its bytes land through a temporary leased from the
+    ``budget`` from when its request is built until it lands. At 16 MiB a same-layout load of a tiled rank
+    leased fewer requests than it had connections, and its last request waited for its first to land (one
+    request's time more). At most ``budget / (2 x concurrency)``, twice as many requests as connections fit
+    in the budget; never below :data:`MIN_SPLIT` (shorter requests wait more for their first byte than they
+    move; a budget too small for that already sends shorter requests as it fills).
+
+    >>> tiled_request_size(16 << 20, 128 << 20, 8) >> 20
+    8
+    >>> tiled_request_size(16 << 20, 2 << 20, 8) >> 20
+    2
+    """
+    return min(chunk, max(MIN_SPLIT, budget // (2 * concurrency)))
+
+
 def plan_spans(
     src: npt.NDArray[np.int64],
     run_nbytes: int,
