@@ -44,10 +44,13 @@ def test_bad_blocks_finds_exactly_the_damaged_blocks(data: st.DataObject, block:
     for i in damaged:
         payload[i] ^= 0x5A
     view = memoryview(payload)[start:end]
-    split = data.draw(st.integers(0, len(view)))
+    # several pieces: blocks whole inside one piece, and blocks straddling two or more (empty pieces too)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(view)), max_size=5)))
+    bounds = [0, *cuts, len(view)]
+    split = [(start + a, view[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     expected = sorted({(i // block * block, min(i // block * block + block, length)) for i in damaged})
     whole = bad_blocks([(start, view)], block, length, crcs)  # the one-piece fast path
-    pieces = bad_blocks([(start, view[:split]), (start + split, view[split:])], block, length, crcs)
+    pieces = bad_blocks(split, block, length, crcs)
     assert whole == pieces == expected
     if expected:
         with pytest.raises(ChecksumMismatchError):

@@ -149,8 +149,11 @@ def slice_pieces(pieces: Sequence[tuple[int, memoryview]], start: int, end: int)
 
 def _block_crcs(
     pieces: Iterable[tuple[int, memoryview]], block_size: int, checked_length: int
-) -> Iterable[tuple[int, int, int, int]]:
-    block = -1
+) -> list[tuple[int, int, int, int]]:
+    """``(block, crc, start, end)`` of every block covered by ``pieces``: the blocks that lie whole inside one
+    piece are hashed in one pass over it; only a block that straddles two pieces is carried across them."""
+    out: list[tuple[int, int, int, int]] = []
+    block = -1  # a block begun in an earlier piece
     crc = 0
     for offset, data in pieces:
         pos = offset
@@ -159,16 +162,33 @@ def _block_crcs(
             if b != block:
                 if block >= 0:
                     raise AssertionError("pieces do not cover whole checksum blocks")
-                block, crc = b, 0
                 if pos != b * block_size:
                     raise AssertionError("read does not start on a checksum block boundary")
+                if pos >= checked_length:
+                    raise AssertionError("pieces reach past the checked bytes")
+                whole = min(len(data), checked_length - pos) // block_size * block_size
+                if whole:
+                    out += [
+                        (
+                            b + i // block_size,
+                            _crc(data[i : i + block_size], 0, _KEEP_GIL),
+                            pos + i,
+                            pos + i + block_size,
+                        )
+                        for i in range(0, whole, block_size)
+                    ]
+                    pos += whole
+                    data = data[whole:]
+                    continue
+                block, crc = b, 0
             block_end = min((b + 1) * block_size, checked_length)
             take = min(len(data), block_end - pos)
             crc = _crc(data[:take], crc, _KEEP_GIL)
             pos += take
             data = data[take:]
             if pos == block_end:
-                yield block, crc, b * block_size, block_end
+                out.append((block, crc, b * block_size, block_end))
                 block = -1
     if block >= 0:
         raise AssertionError("pieces end inside a checksum block")
+    return out
