@@ -22,6 +22,19 @@ class ChunkIndex:
         self._md = state_dict_metadata
         self._by_offsets: dict[str, dict[tuple[int, ...], Any]] = {}
 
+    def share_of(self, req: Any, nbytes: int) -> int:
+        """The part of ``nbytes`` (a stored chunk's) that the box ``req`` of the chunk covers, in proportion to
+        its elements (all of it where the chunk is not a known tensor chunk)."""
+        found = self.lookup(req.storage_index)
+        if found is None:
+            return nbytes
+        total = part = 1
+        for n in found[0]:
+            total *= n
+        for n in req.lengths:
+            part *= n
+        return nbytes * part // max(total, 1)
+
     def lookup(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
         md = self._md.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata):

@@ -1,10 +1,11 @@
 """One stored chunk that a load reads coalesced: the pieces of it the rank wants, and once prepared, where its
 bytes land.
 
-:class:`~dcp_cloud.dcp.loadrun.LoadRun` plans an item (the byte runs of every
-wanted piece in the stored chunk, grouped into segments), prepares it
-(destination tensors or temporaries, scratch for block edges), and scatters
-request bodies into it through :meth:`LoadItem.views`.
+:func:`plan_load_item` plans an item (the byte runs of every wanted piece in
+the stored chunk, grouped into segments);
+:class:`~dcp_cloud.dcp.loadrun.LoadRun` prepares it (destination tensors or
+temporaries, scratch for block edges), and scatters request bodies into it
+through :meth:`LoadItem.views`.
 
 A rank usually wants one piece of a stored chunk (one :class:`ReadItem`). It
 wants several where it holds several shards of one tensor that overlap one
@@ -19,6 +20,7 @@ item is complete.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -26,10 +28,13 @@ import numpy.typing as npt
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ..errors import CorruptCheckpointError
+from ..planner.layout import box_byte_run_array
 from .layout import ItemExtras
+from .readplan import plan_spans
 from .tensorbytes import tensor_bytes
 
-__all__ = ["LoadItem", "Piece"]
+__all__ = ["LoadItem", "Piece", "plan_load_item"]
 
 
 class Piece:
@@ -195,3 +200,56 @@ def union_bytes(starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> i
     reach = np.maximum.accumulate(ends)
     floor = np.concatenate(([starts[0]], np.maximum(starts[1:], reach[:-1])))
     return int(np.maximum(ends - floor, 0).sum())
+
+
+def plan_load_item(
+    key: str,
+    info: Any,
+    extras: ItemExtras,
+    what: str,
+    wanted: Sequence[tuple[ReadItem, torch.Tensor | None]],
+    chunk: tuple[tuple[int, ...], torch.dtype],
+    verify: bool,
+    gap: int,
+) -> LoadItem:
+    """The item of the stored chunk ``info`` (of shape and dtype ``chunk``, raw bytes placed by ``extras``) that
+    the pieces ``wanted`` (``(req, sink)``) need: their byte runs and the segments to read (checked blocks
+    whole where ``verify``; runs ``gap`` bytes apart or closer read as one), no destination yet. A piece with a
+    ``sink`` takes the whole stored chunk."""
+    shape, dtype = chunk
+    assert extras.raw_offset is not None
+    item = LoadItem(what, key, info.offset + extras.raw_offset, extras, verify)
+    item.shape, item.dtype = shape, dtype
+    elem = dtype.itemsize
+    nbytes = elem
+    for n in shape:
+        nbytes *= n
+    item.limit = item.base + nbytes
+    for req, sink in wanted:
+        piece = Piece(req, sink)
+        piece.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
+        if piece.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
+            if verify and nbytes > extras.checked_length:
+                raise CorruptCheckpointError(
+                    f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
+                    "the checkpoint's metadata is corrupted"
+                )
+            piece.src, piece.run_nbytes, piece.wanted = None, nbytes, nbytes
+        else:
+            src, run_nbytes = box_byte_run_array(shape, elem, req.storage_offsets, req.lengths)
+            piece.src, piece.run_nbytes, piece.wanted = src, run_nbytes, len(src) * run_nbytes
+        item.pieces.append(piece)
+    block = extras.block_size if verify else 0
+    if len(item.pieces) == 1:
+        piece = item.pieces[0]
+        item.covered = piece.wanted
+        if piece.src is None:
+            item.spans = [(0, nbytes, 0, 1)] if nbytes else []
+        else:
+            item.spans = plan_spans(piece.src, piece.run_nbytes, extras.checked_length, block, gap)
+    else:
+        item.runs = starts, ends, _, _ = merge_runs(item.pieces)
+        item.covered = union_bytes(starts, ends)
+        item.spans = plan_spans(starts, 0, extras.checked_length, block, gap, ends=ends)
+    item.end = item.base + item.spans[-1][1] if item.spans else item.base
+    return item

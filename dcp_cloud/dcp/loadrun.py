@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
 from ..errors import CorruptCheckpointError, DcpCloudError
-from ..planner.layout import box_byte_run_array
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .chunks import ChunkIndex
@@ -57,10 +56,10 @@ from .devicering import plain, routed
 from .footer import Rider
 from .landing import DeviceSpan, Landing, Move, open_landing
 from .layout import ItemExtras
-from .loaditem import LoadItem, Piece, merge_runs, union_bytes
+from .loaditem import LoadItem, plan_load_item
 from .prediction import Guess
 from .readcheck import ReadVerifier
-from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, plan_spans, tiled_request_size
+from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
 from .ringstage import flat_bytes
 from .staging import StagingConfig
 
@@ -238,52 +237,15 @@ class LoadRun:
         wanted: Sequence[tuple[ReadItem, torch.Tensor | None]],
     ) -> LoadItem:
         """The segments that the pieces ``wanted`` (``(req, sink)``, all of the stored chunk ``info``) need, no
-        destination yet; a piece with a ``sink`` takes the whole stored chunk."""
+        destination yet (see :func:`.loaditem.plan_load_item`)."""
         first = wanted[0][0]
         found = self.chunks.lookup(first.storage_index)
         if found is None:
             raise CorruptCheckpointError(
                 f"{self.checkpoint_id}: no chunk of {first.storage_index.fqn!r} at {first.storage_index.offset}"
             )
-        shape, dtype = found
-        assert extras.raw_offset is not None
         verify = self.transfer.verify_checksums and extras.block_size > 0
-        item = LoadItem(what, key, info.offset + extras.raw_offset, extras, verify)
-        item.shape, item.dtype = shape, dtype
-        elem = dtype.itemsize
-        nbytes = elem
-        for n in shape:
-            nbytes *= n
-        item.limit = item.base + nbytes
-        for req, sink in wanted:
-            piece = Piece(req, sink)
-            piece.lengths = tuple(shape) if sink is not None else tuple(req.lengths)
-            if piece.lengths == tuple(shape):  # the whole chunk: one run (the common case, no numpy)
-                if verify and nbytes > extras.checked_length:
-                    raise CorruptCheckpointError(
-                        f"{what}: the metadata checksums {extras.checked_length} bytes of a {nbytes}-byte tensor; "
-                        "the checkpoint's metadata is corrupted"
-                    )
-                piece.src, piece.run_nbytes, piece.wanted = None, nbytes, nbytes
-            else:
-                src, run_nbytes = box_byte_run_array(shape, elem, req.storage_offsets, req.lengths)
-                piece.src, piece.run_nbytes, piece.wanted = src, run_nbytes, len(src) * run_nbytes
-            item.pieces.append(piece)
-        block = extras.block_size if verify else 0
-        gap = self.transfer.coalesce_gap
-        if len(item.pieces) == 1:
-            piece = item.pieces[0]
-            item.covered = piece.wanted
-            if piece.src is None:
-                item.spans = [(0, nbytes, 0, 1)] if nbytes else []
-            else:
-                item.spans = plan_spans(piece.src, piece.run_nbytes, extras.checked_length, block, gap)
-        else:
-            item.runs = starts, ends, _, _ = merge_runs(item.pieces)
-            item.covered = union_bytes(starts, ends)
-            item.spans = plan_spans(starts, 0, extras.checked_length, block, gap, ends=ends)
-        item.end = item.base + item.spans[-1][1] if item.spans else item.base
-        return item
+        return plan_load_item(key, info, extras, what, wanted, found, verify, self.transfer.coalesce_gap)
 
     def _prepare(self, item: LoadItem) -> None:
         """Resolve the destinations and lay out where every segment byte goes.

@@ -243,15 +243,7 @@ class CloudReader(CloudBase, StorageReader):
             return int(info.length)
         if self._footers is None and getattr(extras_of(info), "raw_offset", None) is None:
             return int(info.length)
-        found = self._chunks.lookup(req.storage_index)
-        if found is None:
-            return int(info.length)
-        total = part = 1
-        for n in found[0]:
-            total *= n
-        for n in req.lengths:
-            part *= n
-        return int(info.length) * part // max(total, 1)
+        return self._chunks.share_of(req, int(info.length))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
