@@ -54,6 +54,13 @@ FACTS: dict[str, dict[str, bool]] = {
     },
 }
 
+#: Whether the server's create-only PutObject holds between requests that race (one winner, always). Not a
+#: probed fact (a race that happens to have one winner proves nothing): moto checks for the object and
+#: stores it in two steps without a lock (moto/s3/responses.py, put_object), and the matrix's race tests
+#: on moto 5.2.1 had two winners in two runs of fifteen; RGW commits the condition with the write
+#: (8 racing writers: one 200, seven 412, every time); s3rver ignores the header altogether.
+ATOMIC_CREATE_ONLY: dict[str, bool] = {"moto": False, "s3rver": False, "rgw": True}
+
 
 @dataclass
 class Compat:
