@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import CorruptCheckpointError
 from .compression import decode
+from .tensorbytes import copy_same
 
 __all__ = ["commit", "commit_whole", "narrow_to"]
 
@@ -36,7 +37,8 @@ def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: tor
             raise CorruptCheckpointError(
                 f"{what}: stored region has shape {tuple(value.shape)} but the state dict expects {tuple(target.shape)}"
             )
-        target.copy_(value)
+        if not copy_same(target, value):
+            target.copy_(value)
     planner.commit_tensor(req, target)
 
 

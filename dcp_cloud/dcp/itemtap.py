@@ -21,7 +21,7 @@ from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
 from . import framing
 from .checksum import Hasher
 from .serialize import save_tensor
-from .tensorbytes import tensor_bytes
+from .tensorbytes import contiguous_copy, tensor_bytes
 
 
 def _buffer_address(mv: memoryview) -> int:
@@ -180,7 +180,7 @@ def write_tensor(stream: ObjectWriter, data: Any, hasher: Hasher, alignment: int
     if isinstance(data, torch.Tensor) and data.device.type == "cpu" and not data.is_contiguous():
         # a strided box of a larger tensor (a column tile): gathered once into a temporary that is copied
         # into part buffers (from the byte budget) and freed, never held in memory by the upload
-        data, gathered = data.detach().contiguous(), True
+        data, gathered = contiguous_copy(data.detach()), True
     layout = framing.layout_of(data, alignment) if alignment else None
     frame = framing.known(layout) if layout is not None else None
     if frame is not None:  # what torch.save writes for the host copy of ``data``, from the caller's memory

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 _from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -35,3 +36,47 @@ def tensor_bytes(tensor: torch.Tensor, *, writable: bool = True) -> memoryview:
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     view: memoryview = _from_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
     return view
+
+
+def strided_bytes(tensor: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a CPU tensor of any layout as a numpy ``uint8`` array of shape ``tensor.shape +
+    (element_size,)`` over its memory, without a torch op; None where no such view may be written through
+    (a zero stride: several elements share memory; a negative one; a tensor without elements)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    esize = tensor.element_size()
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if any(st <= 0 and n > 1 for n, st in zip(shape, strides, strict=True)):
+        return None
+    extent = (sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1) * esize
+    memory = _from_memory(tensor.data_ptr(), extent, _PYBUF_WRITE)
+    return np.ndarray(shape + (esize,), np.uint8, memory, 0, tuple(st * esize for st in strides) + (1,))
+
+
+def copy_same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy ``src`` into ``dst`` (CPU tensors of one dtype and shape, any layouts) on this thread, with numpy;
+    False (nothing copied) where they do not qualify, for the caller to ``copy_``.
+
+    ``Tensor.copy_`` of a large CPU tensor runs as an OpenMP parallel region: the pool's threads then spin
+    waiting for the next one, taking the cores that the transfer threads receive bytes on (on a 2-core
+    machine a tiled load spent a third of its CPU there). A copy of a tile or a piece is a few MiB that one
+    thread copies at memory speed."""
+    if type(dst) is not torch.Tensor or type(src) is not torch.Tensor:  # subclasses: their own copy_
+        return False
+    if dst.dtype != src.dtype or dst.shape != src.shape or dst.requires_grad:
+        return False
+    out, inp = strided_bytes(dst), strided_bytes(src)
+    if out is None or inp is None:
+        return False
+    np.copyto(out, inp, casting="no")
+    return True
+
+
+def contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.contiguous()`` for a CPU tensor that is not, copied on this thread (see :func:`copy_same`)."""
+    if tensor.is_contiguous():
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    if not copy_same(out, tensor.detach()):
+        out.copy_(tensor)
+    return out

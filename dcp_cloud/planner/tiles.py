@@ -47,6 +47,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from ..dcp.tensorbytes import contiguous_copy
 from ..errors import DcpCloudError
 
 __all__ = ["MIN_TILE_BYTES", "TileMap", "tile_boxes", "tile_plan"]
@@ -209,7 +210,7 @@ class TileMap:
         for dim, (o, b, n) in enumerate(zip(td.chunk.offsets, base, td.chunk.sizes, strict=True)):
             if o != b or n != view.shape[dim]:
                 view = view.narrow(dim, o - b, n)
-        return view.contiguous()
+        return contiguous_copy(view)
 
     def done(self) -> None:
         """Drop the reference to the last chunk resolved (after the rank's items are written)."""
