@@ -234,6 +234,8 @@ def render(
         fields = getattr(args, flag, None)
         if fields:
             head += ["", f"--{flag.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
+    if getattr(args, "torch_threads", 1) != 1:
+        head += ["", f"--torch-threads: {args.torch_threads} (torch intra-op threads per process)"]
     parts = ["\n".join(head)]
     for op in [o for o in OPS if o in summary]:
         parts.append(_op_table(op, summary[op]))

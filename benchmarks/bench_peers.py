@@ -84,7 +84,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec.get("threads", 1))
     P.preload(spec)
     if spec["world"] > 1:
         import _ranks
@@ -171,6 +171,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="cProfile (process CPU time) each timed span into this directory (slows the run)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads per process (default 1, as torchrun sets)")  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"contender": contender, "uri": f"s3://{C.BUCKET}/{name}",
                         "path": os.path.join(local_root, name), "size_mb": size_mb, "tensors": args.tensors,
                         "seed": args.seed, "verify": not args.no_verify,
-                        "target": targets.get(contender), "profile": args.profile,
+                        "target": targets.get(contender), "profile": args.profile, "threads": args.torch_threads,
                         "transfer": args.ref_transfer if contender == "dcp_cloud_ref" else args.transfer,
                         **wire}  # fmt: skip
                 failed = None

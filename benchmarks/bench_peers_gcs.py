@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = {"contender": contender, "backend": "gcs", "uri": f"gs://{C.BUCKET}/{name}", "path": "",
                     "size_mb": size_mb, "tensors": tensors, "seed": args.seed, "verify": not args.no_verify,
                     "target": targets.get(contender), "profile": args.profile, "transfer": args.transfer,
+                    "threads": args.torch_threads,
                     **wire}  # fmt: skip
             saver = P.SAVED_BY.get(contender)
             failed = None
