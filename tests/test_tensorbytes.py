@@ -74,6 +74,23 @@ def test_refuses_what_it_cannot_copy_exactly() -> None:
     assert not copy_same(dst, torch.zeros(4).expand(3, 4)) or torch.equal(dst, torch.zeros(3, 4))
 
 
+def test_lazy_conjugate_and_negative_views_are_copied_by_value() -> None:
+    """A conjugated (or negated) view holds the unconjugated values in memory: its bytes are not its values."""
+    base = torch.randn(4, 6, dtype=torch.complex64)
+    conj = base.conj()[:, 1:4]
+    neg = base.conj().imag[:, 1:4]
+    assert conj.is_conj() and neg.is_neg()
+    for view in (conj, neg):
+        assert strided_bytes(view) is None
+        dst = torch.zeros(view.shape, dtype=view.dtype)
+        assert not copy_same(dst, view)
+        out = contiguous_copy(view)
+        assert torch.equal(out.resolve_conj().resolve_neg(), view.resolve_conj().resolve_neg())
+        assert torch.equal(out.resolve_conj().resolve_neg(), view.contiguous().resolve_conj().resolve_neg())
+    dst = base.conj()[:, :3]
+    assert not copy_same(dst, torch.zeros(4, 3, dtype=torch.complex64))
+
+
 def test_strided_bytes_is_a_view_of_the_tensor_memory() -> None:
     t = torch.zeros(4, 6, dtype=torch.int16)
     band = t[:, 2:5]

@@ -38,11 +38,25 @@ def tensor_bytes(tensor: torch.Tensor, *, writable: bool = True) -> memoryview:
     return view
 
 
+def _raw(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are its memory as it is: a plain dense CPU tensor, not a subclass, not a
+    lazily conjugated or negated view, not quantized."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.is_quantized
+    )
+
+
 def strided_bytes(tensor: torch.Tensor) -> np.ndarray | None:
-    """The bytes of a CPU tensor of any layout as a numpy ``uint8`` array of shape ``tensor.shape +
-    (element_size,)`` over its memory, without a torch op; None where no such view may be written through
-    (a zero stride: several elements share memory; a negative one; a tensor without elements)."""
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
+    """The bytes of a CPU tensor of any strides as a numpy ``uint8`` array of shape ``tensor.shape +
+    (element_size,)`` over its memory, without a torch op; None where those bytes are not its values (see
+    :func:`_raw`) or may not be written through (a zero stride: several elements share memory), or there
+    are none."""
+    if not _raw(tensor) or tensor.numel() == 0:
         return None
     esize = tensor.element_size()
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
@@ -61,8 +75,6 @@ def copy_same(dst: torch.Tensor, src: torch.Tensor) -> bool:
     waiting for the next one, taking the cores that the transfer threads receive bytes on (on a 2-core
     machine a tiled load spent a third of its CPU there). A copy of a tile or a piece is a few MiB that one
     thread copies at memory speed."""
-    if type(dst) is not torch.Tensor or type(src) is not torch.Tensor:  # subclasses: their own copy_
-        return False
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.requires_grad:
         return False
     out, inp = strided_bytes(dst), strided_bytes(src)
@@ -73,10 +85,10 @@ def copy_same(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.contiguous()`` for a CPU tensor that is not, copied on this thread (see :func:`copy_same`)."""
-    if tensor.is_contiguous():
-        return tensor
+    """``tensor.contiguous()``, copied on this thread where :func:`copy_same` can (a plain CPU tensor)."""
+    if tensor.is_contiguous() or not _raw(tensor):
+        return tensor.contiguous()
     out = torch.empty(tensor.shape, dtype=tensor.dtype)
     if not copy_same(out, tensor.detach()):
-        out.copy_(tensor)
+        return tensor.contiguous()
     return out
