@@ -1,4 +1,5 @@
-"""The bytes of a CPU tensor as a memoryview, without a torch op.
+"""The bytes of a CPU tensor as a memoryview (or, strided, a numpy array) without a torch op, and copies
+between CPU tensors made with them.
 
 ``tensor.reshape(-1).view(torch.uint8).numpy()`` costs three torch ops, and
 each torch op releases the GIL and takes it back: with transfer threads busy
@@ -11,6 +12,10 @@ throughout.
 
 The view does not keep the tensor alive: the caller holds the tensor for as
 long as the view is used.
+
+:func:`copy_same` and :func:`contiguous_copy` copy a tile or a piece between
+its place in a larger tensor and a contiguous buffer through such views, on
+the calling thread, where torch would run an OpenMP parallel region.
 """
 
 from __future__ import annotations
