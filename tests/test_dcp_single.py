@@ -94,6 +94,47 @@ def test_load_into_views_writes_only_the_view(backend, assert_same) -> None:
     assert (other[:, 0] == -1).all() and (other[:, 2] == -1).all()
 
 
+def _lazy_views() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Tensors whose memory is not their values (a lazy conjugate or negative bit), and their values."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 8, dtype=torch.complex64, generator=g)
+    big = torch.randn(64, 128, dtype=torch.complex64, generator=g)  # > 32 KiB: uploaded in place
+    lazy = {"conj": a.conj(), "conj_cols": a.conj()[:, 1:5], "neg": a.conj().imag, "big_conj": big.conj()}
+    assert lazy["conj"].is_conj() and lazy["neg"].is_neg()
+    return lazy, {k: v.resolve_conj().resolve_neg().clone() for k, v in lazy.items()}
+
+
+def test_lazily_conjugated_and_negated_tensors_round_trip_by_value(backend, assert_same) -> None:
+    lazy, values = _lazy_views()
+    uri = backend.uri("lazy")
+    dcp.save(lazy, storage_writer=backend.writer(uri))
+    target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in values.items()}
+    dcp.load(target, storage_reader=backend.reader(uri))
+    assert_same(target, values)
+    # into destinations that are themselves lazily conjugated views: their values become the saved ones
+    conj_target = {k: torch.zeros(v.shape, dtype=v.dtype).conj() if v.is_complex() else torch.zeros_like(v)
+                   for k, v in values.items()}  # fmt: skip
+    dcp.load(conj_target, storage_reader=backend.reader(uri))
+    assert_same({k: v.resolve_conj() for k, v in conj_target.items()}, values)
+
+
+def test_lazy_views_interoperate_with_stock_both_ways(backend, tmp_path, assert_same) -> None:
+    lazy, values = _lazy_views()
+    uri = backend.uri("lazy-ours")
+    dcp.save(lazy, storage_writer=backend.writer(uri))
+    backend.download(uri, tmp_path / "ours")
+    target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in values.items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "ours")))
+    assert_same({k: v.resolve_conj().resolve_neg() for k, v in target.items()}, values)
+
+    dcp.save(lazy, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))  # keeps the conj bit
+    stock = backend.uri("lazy-stock")
+    backend.upload(tmp_path / "stock", stock)
+    target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in values.items()}
+    dcp.load(target, storage_reader=backend.reader(stock))
+    assert_same(target, values)
+
+
 def test_float32_checkpoint_loads_into_bfloat16(backend, assert_same) -> None:
     uri = backend.uri("cast")
     w = torch.randn(17, 9, generator=torch.Generator().manual_seed(1))

@@ -33,6 +33,10 @@ def _values(spec: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     }
 
 
+def _cplx() -> torch.Tensor:
+    return torch.arange(2 * 256 * 128, dtype=torch.float32).view(torch.complex64).reshape(256, 128)
+
+
 def _ddp_state(zeros: bool) -> dict[str, Any]:
     sd: dict[str, Any] = {k: torch.zeros_like(v) if zeros else v for k, v in _values(DDP).items()}
     sd["extra"] = {"epoch": 0 if zeros else 3, "name": "" if zeros else "run-7"}
@@ -79,6 +83,14 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
     out["staged-bad"] = [k for k in DDP if not torch.equal(target[k], want[k])]
     dist.barrier()
 
+    # a destination whose memory is not its values (a lazily conjugated view): staged and copied by torch
+    target = {"c": torch.zeros(256, 128, dtype=torch.complex64).conj()}
+    before = dict(COUNTS)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(f"s3://{bucket}/cplx"))
+    out["conj-counts"] = {k: COUNTS[k] - before[k] for k in COUNTS}
+    out["conj-ok"] = torch.equal(target["c"].resolve_conj(), _cplx())
+    dist.barrier()
+
     # HSDP: 2 replicas of a 2-way shard
     mesh = init_device_mesh("cpu", (2, 2))
     dcp_cloud.save(_hsdp_state(mesh, zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{bucket}/hsdp"))
@@ -119,6 +131,7 @@ def test_replicated_loads_fetch_each_stored_byte_once(
     import dcp_cloud
 
     dcp_cloud.save(_ddp_state(zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{s3_bucket}/ddp"))
+    dcp_cloud.save({"c": _cplx()}, storage_writer=dcp_cloud.S3Writer(f"s3://{s3_bucket}/cplx"))
     distcp = lambda r: r.method == "GET" and r.path.endswith(".distcp")  # noqa: E731
     fault_plan = FaultPlan(error_500=1.0, max_faults=1, when=distcp)
     with (
@@ -150,6 +163,8 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         assert result["ddp-off-counts"] == dict.fromkeys(result["ddp-off-counts"], 0), (rank, result)
         assert result["staged-bad"] == [], (rank, result["staged-bad"])
         assert result["staged-counts"] == {"raw_direct": 0, "raw_staged": len(DDP), "whole": 0}, (rank, result)
+        assert result["conj-ok"], (rank, result)
+        assert result["conj-counts"] == {"raw_direct": 0, "raw_staged": 1, "whole": 0}, (rank, result)
         assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
     assert faults == 1
     assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)

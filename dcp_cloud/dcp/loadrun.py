@@ -62,6 +62,7 @@ from .readcheck import ReadVerifier
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
 from .ringstage import flat_bytes
 from .staging import StagingConfig
+from .torchprivate import pickles_tensor_metadata
 
 log = logging.getLogger("dcp_cloud")
 
@@ -260,7 +261,9 @@ class LoadRun:
                 target, direct = piece.sink, True
             else:
                 target = self.planner.resolve_tensor(piece.req)
-                same = target.dtype == item.dtype and target.is_contiguous() and tuple(target.shape) == piece.lengths
+                same = (  # and its memory is its values (no lazy conjugate / negative bit)
+                    target.dtype == item.dtype and target.is_contiguous() and tuple(target.shape) == piece.lengths
+                ) and not pickles_tensor_metadata(target)
                 # One piece of a stored chunk on a device: lands through pinned chunks, straight into it.
                 item.device = (
                     same and len(item.pieces) == 1 and routed(target) and plain(target) and self._landing_for(target)

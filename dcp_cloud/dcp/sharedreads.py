@@ -51,6 +51,7 @@ from .compression import check_descriptors
 from .layout import ItemExtras, transform_descriptors
 from .loadrun import LoadRun
 from .metashare import from_rank, portable
+from .torchprivate import pickles_tensor_metadata
 
 __all__ = ["Exchange", "SharedReadError"]
 
@@ -267,6 +268,7 @@ class Exchange:
                 and target.dtype == dtype
                 and target.device == self.device
                 and target.is_contiguous()
+                and not pickles_tensor_metadata(target)  # its memory is its values
             )
         if slot.direct:
             target = slot.targets[0][3]

@@ -21,9 +21,12 @@ the calling thread, where torch would run an OpenMP parallel region.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import torch
+
+from .torchprivate import pickles_tensor_metadata
 
 _from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _from_memory.restype = ctypes.py_object
@@ -54,6 +57,16 @@ def _raw(tensor: torch.Tensor) -> bool:
         and not tensor.is_neg()
         and not tensor.is_quantized
     )
+
+
+def by_value(data: Any) -> Any:
+    """``data`` (what a save planner resolved for an item), a tensor with a lazy conjugate or negative bit
+    copied into one without it: the memory of ``x.conj()`` holds ``x``, and a byte-precise read takes an
+    item's memory as its values (torch.save would store the bit beside ``x``'s bytes, which only
+    ``torch.load`` applies). Anything else is returned as it is."""
+    if isinstance(data, torch.Tensor) and pickles_tensor_metadata(data):
+        return data.resolve_conj().resolve_neg()
+    return data
 
 
 def strided_bytes(tensor: torch.Tensor) -> np.ndarray | None:

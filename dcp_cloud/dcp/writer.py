@@ -66,6 +66,7 @@ from .metashare import in_process_group
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
 from .stripes import Committer, split_runs, stripe_count, stripe_name
+from .tensorbytes import by_value
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -288,7 +289,10 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -item_nbytes(it)))
         tiles = self._tiles
-        resolve = planner.resolve_data if not tiles else lambda item: tiles.resolve(item, planner.resolve_data)
+
+        def resolve(item: WriteItem) -> Any:  # by value: see tensorbytes.by_value
+            return by_value(tiles.resolve(item, planner.resolve_data) if tiles else planner.resolve_data(item))
+
         with self._engine() as engine:
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}

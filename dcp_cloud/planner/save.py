@@ -69,7 +69,7 @@ def _fingerprint(tensor: torch.Tensor) -> tuple[int, ...]:
     Not cryptographic: it is there to catch replicas that diverged (a missed
     all-reduce, a rank-dependent init), whose bits differ almost everywhere.
     """
-    dense = tensor.detach().contiguous()
+    dense = tensor.detach().resolve_conj().resolve_neg().contiguous()  # values, not a lazy view's memory
     if dense.numel() == 0:
         return (0,)
     flat = torch.as_strided(dense, (dense.numel(),), (1,))  # a one-element view may have any stride
