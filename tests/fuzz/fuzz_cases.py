@@ -51,6 +51,9 @@ class Layout:
     shards: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
     #: Hold the (local) tensors with non-contiguous strides.
     noncontig: bool = False
+    #: plain, dtensor: hold the (local) tensors as lazy views whose memory is not their values (complex: a
+    #: conjugate bit over the conjugated values; float32/64: a negative bit over the negated values).
+    lazy: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class Case:
 
 
 def _short(layout: Layout) -> str:
-    nc = "~nc" if layout.noncontig else ""
+    nc = ("~nc" if layout.noncontig else "") + ("~lazy" if layout.lazy else "")
     if layout.kind == "dtensor":
         return f"dtensor{list(layout.mesh)}{['R' if p == REPLICATE else f'S{p}' for p in layout.placements]}{nc}"
     if layout.kind == "chunk":
@@ -239,10 +242,11 @@ def layouts(draw: Any, shape: tuple[int, ...], world: int) -> Layout:
     kinds = ["plain", "dtensor"] + (["chunk", "enum"] if ndim and numel else [])
     kind = draw(st.sampled_from(kinds))
     noncontig = draw(st.booleans()) if numel > 1 else False
+    lazy = kind in ("plain", "dtensor") and draw(st.integers(0, 3)) == 0
     if kind == "dtensor":
         mesh = draw(st.sampled_from(MESHES[world]))
         places = tuple(draw(st.sampled_from((REPLICATE, *range(ndim)))) for _ in mesh)
-        return Layout("dtensor", mesh=mesh, placements=places, noncontig=noncontig)
+        return Layout("dtensor", mesh=mesh, placements=places, noncontig=noncontig, lazy=lazy)
     if kind == "chunk":
         dim = draw(st.integers(0, ndim - 1))
         count = draw(st.integers(1, min(2 * world, shape[dim] + 1)))
@@ -250,7 +254,7 @@ def layouts(draw: Any, shape: tuple[int, ...], world: int) -> Layout:
         return Layout("chunk", placements=ranks, dim=dim)  # ShardedTensor requires contiguous local shards
     if kind == "enum":
         return Layout("enum", shards=draw(enum_shards(shape, world)))
-    return Layout("plain", noncontig=noncontig)
+    return Layout("plain", noncontig=noncontig, lazy=lazy)
 
 
 @st.composite

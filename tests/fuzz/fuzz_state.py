@@ -76,6 +76,23 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _lazy(t: torch.Tensor) -> torch.Tensor:
+    """The same values held by a lazy view whose memory is not them: complex, the conjugate bit over the
+    conjugated values; float32/64, the negative bit over the negated values; other dtypes as they are
+    (torch negates a strided bfloat16 or float16 through float32, which turns a NaN's payload canonical:
+    the values would not survive being held, in torch's hands or ours)."""
+    if t.is_complex():
+        return t.conj().resolve_conj().conj()
+    if t.dtype in (torch.float32, torch.float64):
+        return torch._neg_view(-t)
+    return t
+
+
+def _held(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    t = _noncontig(t) if layout.noncontig else t
+    return _lazy(t) if layout.lazy else t
+
+
 def _placements(layout: Layout) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -106,16 +123,16 @@ def _sharded(full: torch.Tensor, layout: Layout, group: Any) -> Any:
 def place(full: torch.Tensor, layout: Layout, world: Any, size: int) -> Any:
     """``full`` held as ``layout`` says by this rank of the first ``size`` ranks of ``world`` (a fuzz_world.Ranks)."""
     if layout.kind == "plain":
-        return _noncontig(full.clone()) if layout.noncontig else full.clone()
+        return _held(full.clone(), layout)
     if layout.kind == "dtensor":
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         mesh = world.meshes[layout.mesh]
         dt = distribute_tensor(full.clone(), mesh, _placements(layout), src_data_rank=None)
-        if not layout.noncontig or dt.to_local().numel() < 2:
+        if not (layout.noncontig or layout.lazy) or dt.to_local().numel() < 2:
             return dt
         return DTensor.from_local(
-            _noncontig(dt.to_local().clone()),
+            _held(dt.to_local().clone(), layout),
             mesh,
             _placements(layout),
             run_check=False,
@@ -169,7 +186,7 @@ def get(root: Any, path: tuple[Any, ...]) -> Any:
 
 def _bits(t: torch.Tensor) -> bytes:
     """The exact bytes of a tensor's elements in row-major order, whatever its strides."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def snapshot(value: Any) -> Any:
