@@ -21,6 +21,7 @@ the calling thread, where torch would run an OpenMP parallel region.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,11 @@ def by_value(data: Any) -> Any:
     if isinstance(data, torch.Tensor) and pickles_tensor_metadata(data):
         return data.resolve_conj().resolve_neg()
     return data
+
+
+def values_of(resolve: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``resolve`` (a save planner's resolve_data, or the like) giving its tensors by value (:func:`by_value`)."""
+    return lambda item: by_value(resolve(item))
 
 
 def strided_bytes(tensor: torch.Tensor) -> np.ndarray | None:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -66,7 +67,7 @@ from .metashare import in_process_group
 from .staging import Lease, StagingConfig, stage_in_background
 from .staging import stage as stage_state
 from .stripes import Committer, split_runs, stripe_count, stripe_name
-from .tensorbytes import by_value
+from .tensorbytes import values_of
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -288,11 +289,8 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         shard: _ShardPlan = plan.storage_data
         results: list[WriteResult] = []
         items = sorted(plan.items, key=lambda it: (it.type != WriteItemType.BYTE_IO, -item_nbytes(it)))
-        tiles = self._tiles
-
-        def resolve(item: WriteItem) -> Any:  # by value: see tensorbytes.by_value
-            return by_value(tiles.resolve(item, planner.resolve_data) if tiles else planner.resolve_data(item))
-
+        tiles, found = self._tiles, planner.resolve_data
+        resolve = values_of(partial(tiles.resolve, resolve_data=found) if tiles else found)
         with self._engine() as engine:
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
