@@ -54,9 +54,8 @@ def _raw(tensor: torch.Tensor) -> bool:
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
-        and not tensor.is_conj()
-        and not tensor.is_neg()
         and not tensor.is_quantized
+        and not pickles_tensor_metadata(tensor)  # a lazy conjugate or negative bit (see by_value)
     )
 
 
