@@ -419,3 +419,24 @@ def test_cuda_sync_save_and_load_through_the_ring(tmp_path: Path) -> None:
     assert _equal({k: v.cpu() for k, v in target.items()}, want)
     ring = devicering._rings[("cuda", torch.cuda.current_device())]
     assert ring.peak_leased > 0 and ring.leased == 0
+
+
+@cuda
+def test_cuda_lazily_conjugated_tensors_save_and_load_by_value(tmp_path: Path) -> None:
+    """A CUDA ``x.conj()`` is saved as its values (sync and async) and loads into plain and conjugated CUDA
+    destinations by value (the CPU logic: tests/test_dcp_single.py)."""
+    g = torch.Generator().manual_seed(11)
+    values = {"small": torch.randn(6, 8, dtype=torch.complex64, generator=g),
+              "big": torch.randn(256, 512, dtype=torch.complex64, generator=g)}  # fmt: skip
+    lazy = {k: v.conj().resolve_conj().cuda().conj() for k, v in values.items()}
+    assert all(v.is_conj() for v in lazy.values())
+    dcp.save(lazy, storage_writer=LocalWriter(tmp_path / "sync", staging=SMALL))
+    dcp.async_save(lazy, storage_writer=LocalWriter(tmp_path / "async", staging=SMALL)).result(timeout=300)
+    for name in ("sync", "async"):
+        assert _equal(_load(tmp_path / name, values), values), name
+        plain = {k: torch.zeros_like(v).cuda() for k, v in values.items()}
+        dcp.load(plain, storage_reader=LocalReader(tmp_path / name, staging=SMALL, transfer=SMALL_READS))
+        assert _equal({k: v.cpu() for k, v in plain.items()}, values), name
+        conj = {k: torch.zeros_like(v).cuda().conj() for k, v in values.items()}
+        dcp.load(conj, storage_reader=LocalReader(tmp_path / name, staging=SMALL, transfer=SMALL_READS))
+        assert _equal({k: v.resolve_conj().cpu() for k, v in conj.items()}, values), name
