@@ -1,8 +1,9 @@
 """Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
 
-Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory). Another
-S3 server joins as one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its
-credentials in ``env``, its smallest multipart part); the fuzzer then draws it like the others.
+Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory); ``s3-rgw``
+(Ceph's RADOS Gateway) and ``gcs`` (fake-gcs-server) in runs of their own. Another S3 server joins as
+one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its credentials in ``env``,
+its smallest multipart part); the fuzzer then draws it like the others.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fuzz_options import STORES, Target
 from fuzz_report import failure_text, say
 from fuzz_world import World
 
+from dcp_cloud.testing.gcs_emulator import gcs_env
 from dcp_cloud.testing.moto_server import MotoServer, moto_env
 from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, moto_client
 
@@ -59,9 +61,20 @@ def fuzz_targets(
     moto_server: MotoServer, _fuzz_root: Path, request: pytest.FixtureRequest
 ) -> Iterator[dict[str, Target]]:
     """Every store a case may be drawn to run against, by name: S3 on moto and a local directory
-    (``"moto+local"``, the default), or S3 on Ceph's RADOS Gateway (``"rgw"``: a production S3
-    implementation, started for the session; skips where Ceph is not installed)."""
+    (``"moto+local"``, the default), S3 on Ceph's RADOS Gateway (``"rgw"``: a production S3
+    implementation, started for the session; skips where Ceph is not installed), or GCS on
+    fake-gcs-server (``"gcs"``)."""
     stores = getattr(request, "param", STORES[0])
+    if stores == "gcs":
+        emulator = request.getfixturevalue("gcs_emulator")
+        bucket = f"fuzz-{uuid.uuid4().hex[:12]}"
+        emulator.create_bucket(bucket)
+        # GCS has no smallest part (parts are composed); 256 KiB, its upload granule, keeps
+        # small-part saves multipart without thousands of parts
+        yield {"gcs": Target("gcs", "gcs", bucket, endpoint_url=emulator.endpoint, env=gcs_env(emulator),
+                             min_part_size=256 * 1024)}  # fmt: skip
+        emulator.delete_bucket(bucket)
+        return
     if stores == "rgw":
         rgw = request.getfixturevalue("rgw_target")
         bucket = rgw.new_bucket("fuzz")

@@ -13,7 +13,8 @@ that wrote it.
 
 A new store is one more :class:`Target` (see ``tests/fuzz/conftest.py``, which builds
 them from the session's servers): another S3 server (s3rver, Ceph RGW) is a ``kind="s3"``
-target with its own endpoint, credentials and smallest multipart part.
+target with its own endpoint, credentials and smallest multipart part; GCS (fake-gcs-server)
+is the ``kind="gcs"`` target.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ DEFAULT: Any = _Default()
 MIN_PART = "min_part"
 
 #: Where an option goes: TransferConfig (save and load each draw their own), the writer's or reader's
-#: keywords, StagingConfig, S3Config (S3 targets only), or how the case calls DCP.
-SCOPES = ("transfer", "writer", "reader", "staging", "s3", "save", "load", "case")
+#: keywords, StagingConfig, S3Config (S3 targets only), GCSConfig (GCS targets only), or how the case calls DCP.
+SCOPES = ("transfer", "writer", "reader", "staging", "s3", "gcs", "save", "load", "case")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("copy_threads", "staging", (DEFAULT, 1)),
     # -- S3Config ------------------------------------------------------------------------------------------
     Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
+    # -- GCSConfig -----------------------------------------------------------------------------------------
+    Option("transport_checksums", "gcs", (DEFAULT, False), kinds=("gcs",)),
     # -- how the case calls DCP ----------------------------------------------------------------------------
     #: dcp.save, or dcp.async_save through the writer's staging pool.
     Option("async_save", "save", (False, True)),
@@ -116,15 +119,16 @@ class Target:
     """One store a case can save to and load from (picklable: it travels to the ranks).
 
     ``kind`` picks the writer/reader classes and the plain-SDK helpers the ranks use
-    (``"s3"``: S3Writer/S3Reader and boto3; ``"local"``: LocalWriter/LocalReader and
-    the filesystem). ``root`` is the bucket (s3) or directory (local) the cases write
-    under, each case under its own prefix.
+    (``"s3"``: S3Writer/S3Reader and boto3; ``"gcs"``: GCSWriter/GCSReader and
+    google-cloud-storage; ``"local"``: LocalWriter/LocalReader and the filesystem).
+    ``root`` is the bucket (s3, gcs) or directory (local) the cases write under, each
+    case under its own prefix.
     """
 
     name: str
     kind: str
     root: str
-    #: S3 endpoint (None: local).
+    #: S3 or GCS endpoint (None: local).
     endpoint_url: str | None = None
     region: str = "us-east-1"
     #: Environment the ranks set before a case on this target (credentials of an S3 server).
@@ -137,8 +141,9 @@ class Target:
 
 
 #: The sets of stores a differential run draws its cases' stores from (``fuzz_targets``'s parameter):
-#: S3 on moto and a local directory, or S3 on Ceph's RADOS Gateway (a production S3 implementation).
-STORES = ("moto+local", "rgw")
+#: S3 on moto and a local directory, S3 on Ceph's RADOS Gateway (a production S3 implementation), or
+#: GCS on fake-gcs-server.
+STORES = ("moto+local", "rgw", "gcs")
 
 
 def applicable(option: Option, kind: str) -> bool:

@@ -1,7 +1,8 @@
-"""Rank-side helpers per store kind: our writer/reader for a case, and plain-SDK (boto3 / filesystem) helpers
-to download, size and remove what a case stored. The plain helpers never use dcp_cloud code, so they check it.
+"""Rank-side helpers per store kind: our writer/reader for a case, and plain-SDK (boto3, google-cloud-storage,
+filesystem) helpers to download, size and remove what a case stored. The plain helpers never use dcp_cloud
+code, so they check it.
 
-A target of a new kind is one more entry in :data:`KINDS`; a new server of an existing kind needs none.
+A target of a new kind is one more branch here; a new server of an existing kind needs none.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ _clients: dict[tuple[str, str], Any] = {}
 def case_uri(target: Target, case_id: str, name: str) -> str:
     if target.kind == "s3":
         return f"s3://{target.root}/{case_id}/{name}"
+    if target.kind == "gcs":
+        return f"gs://{target.root}/{case_id}/{name}"
     return str(Path(target.root, case_id, name))
 
 
@@ -27,7 +30,8 @@ def transfer_kwargs(target: Target, values: dict[str, Any]) -> dict[str, Any]:
     return {k: (target.min_part_size if v == MIN_PART else v) for k, v in values.items()}
 
 
-def writer(target: Target, uri: str, s3: dict[str, Any], **kw: Any) -> Any:
+def writer(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
+    """Our writer for ``uri`` on ``target``; ``store``: the case's S3Config or GCSConfig keywords."""
     import dcp_cloud
 
     if target.kind == "s3":
@@ -35,20 +39,30 @@ def writer(target: Target, uri: str, s3: dict[str, Any], **kw: Any) -> Any:
         from dcp_cloud.store.s3 import S3Config
 
         limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
-        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **s3)
+        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
         return dcp_cloud.S3Writer(uri, config=config, part_limits=limits, **kw)
+    if target.kind == "gcs":
+        return dcp_cloud.GCSWriter(uri, config=_gcs_config(target, store), **kw)
     return dcp_cloud.LocalWriter(uri, **kw)
 
 
-def reader(target: Target, uri: str, s3: dict[str, Any], **kw: Any) -> Any:
+def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
     import dcp_cloud
 
     if target.kind == "s3":
         from dcp_cloud.store.s3 import S3Config
 
-        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **s3)
+        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
         return dcp_cloud.S3Reader(uri, config=config, **kw)
+    if target.kind == "gcs":
+        return dcp_cloud.GCSReader(uri, config=_gcs_config(target, store), **kw)
     return dcp_cloud.LocalReader(uri, **kw)
+
+
+def _gcs_config(target: Target, store: dict[str, Any]) -> Any:
+    from dcp_cloud.store.gcs import GCSConfig
+
+    return GCSConfig(endpoint=target.endpoint_url, **store)
 
 
 def _boto3(target: Target) -> Any:
@@ -62,29 +76,55 @@ def _boto3(target: Target) -> Any:
     return _clients[key]
 
 
+def _gcs(target: Target) -> Any:
+    key = ("gcs", target.endpoint_url or "")
+    if key not in _clients:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        _clients[key] = storage.Client(
+            project=os.environ.get("GOOGLE_CLOUD_PROJECT", "fuzz"),
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": target.endpoint_url},
+        )
+    return _clients[key]
+
+
 def _keys(target: Target, prefix: str) -> list[tuple[str, int]]:
+    if target.kind == "gcs":
+        return [(b.name, int(b.size)) for b in _gcs(target).list_blobs(target.root, prefix=prefix)]
     pages = _boto3(target).get_paginator("list_objects_v2").paginate(Bucket=target.root, Prefix=prefix)
     return [(o["Key"], int(o["Size"])) for page in pages for o in page.get("Contents", [])]
 
 
+def _get(target: Target, key: str) -> bytes:
+    if target.kind == "gcs":
+        return bytes(_gcs(target).bucket(target.root).blob(key).download_as_bytes())
+    return bytes(_boto3(target).get_object(Bucket=target.root, Key=key)["Body"].read())
+
+
 def download(target: Target, case_id: str, dest: Path) -> Path:
     """Every object of the case on disk (same relative names); the local directory the case lives in."""
-    if target.kind != "s3":
+    if target.kind == "local":
         return Path(target.root, case_id)
-    client = _boto3(target)
     for key, _ in _keys(target, f"{case_id}/"):
         path = dest / key[len(case_id) + 1 :]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(client.get_object(Bucket=target.root, Key=key)["Body"].read())
+        path.write_bytes(_get(target, key))
     return dest
 
 
 def remove(target: Target, case_id: str) -> None:
     """Forget what the case stored (the server's memory stays small over thousands of cases)."""
-    if target.kind != "s3":
+    if target.kind == "local":
         shutil.rmtree(Path(target.root, case_id), ignore_errors=True)
         return
     keys = [k for k, _ in _keys(target, f"{case_id}/")]
+    if target.kind == "gcs":
+        bucket = _gcs(target).bucket(target.root)
+        for key in keys:
+            bucket.blob(key).delete()
+        return
     client = _boto3(target)
     for i in range(0, len(keys), 1000):
         client.delete_objects(Bucket=target.root, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]})

@@ -70,7 +70,7 @@ class CaseRun:
         self.incremental = bool(case.opt("incremental"))
         self.ours = targets.case_uri(target, case_id, "ours")
         self.base = targets.case_uri(target, case_id, "base")
-        self.local = self.work / "download" if target.kind == "s3" else Path(target.root, case_id)
+        self.local = self.work / "download" if target.kind != "local" else Path(target.root, case_id)
         if target.kind == "local":  # a local checkpoint's parent directory is its "bucket": it must exist
             self.local.mkdir(parents=True, exist_ok=True)
 
@@ -85,7 +85,8 @@ class CaseRun:
         kw.update(extra)
         transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.save_transfer)))
         staging = dcp_cloud.StagingConfig(**_given(by_scope(c.options, "staging")))
-        return targets.writer(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, staging=staging, **kw)
+        store = by_scope(c.options, self.target.kind)  # S3Config or GCSConfig keywords
+        return targets.writer(self.target, uri, store, transfer=transfer, staging=staging, **kw)
 
     @property
     def no_dist(self) -> bool:
@@ -102,7 +103,7 @@ class CaseRun:
             kw.update(share_metadata=False, process_group=None)
         else:
             kw.update(process_group=self.ranks.groups[c.w2])
-        return targets.reader(self.target, uri, by_scope(c.options, "s3"), transfer=transfer, **kw)
+        return targets.reader(self.target, uri, by_scope(c.options, self.target.kind), transfer=transfer, **kw)
 
     def _planner(self) -> Any:
         from dcp_cloud import BalancedSavePlanner

@@ -36,9 +36,9 @@ from hypothesis import seed as hypothesis_seed
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 #: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
-#: included), and on Ceph RGW (a fraction of them: the same code, another server's answers).
+#: included), and on Ceph RGW and on GCS (a fraction of them each: the same code, other servers' answers).
 CI_CASES = 200
-RGW_SHARE = 8
+SHARES = {"rgw": 8, "gcs": 8}
 
 
 def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
@@ -47,8 +47,8 @@ def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
     seed_text = os.environ.get("DCP_CLOUD_FUZZ_SEED")
     seed = int(seed_text) if seed_text else None
     count = int(asked) if asked else CI_CASES
-    if stores == "rgw":
-        count = max(1, count // RGW_SHARE)
+    if stores in SHARES:
+        count = max(1, count // SHARES[stores])
     if asked:
         return "long", count, seed if seed is not None else random.SystemRandom().randrange(2**32)
     return "ci", count, seed
@@ -64,7 +64,7 @@ def test_differential(
     rerun = f"DCP_CLOUD_FUZZ_SEED={seed} " if seed is not None else ""
     rerun += (
         f"python -m pytest tests/fuzz/test_fuzz_differential.py -k 'differential and {stores}' "
-        f"--fuzz-cases {count * (RGW_SHARE if stores == 'rgw' else 1)}"
+        f"--fuzz-cases {count * SHARES.get(stores, 1)}"
     )
     header = f"fuzz {tier} tier on {stores}: {count} cases, " + ("derandomized" if seed is None else f"seed {seed}")
     say(request.config, f"\n{header}; rerun: {rerun if seed is not None else 'the same command'}")
