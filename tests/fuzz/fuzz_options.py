@@ -107,6 +107,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("no_dist", "load", (False, True)),
     #: Save a base first (other values of the same items), then this case's state with base=.
     Option("incremental", "case", (False, True)),
+    #: Save other values at the checkpoint first, then this case's state there with overwrite=True (its
+    #: replaced objects must be gone); an incremental case then also overwrites its base, which must keep
+    #: what the case's checkpoint still references.
+    Option("overwrite", "case", (False, True)),
 )
 
 _NAMES = [o.name for o in OPTIONS]

@@ -7,12 +7,17 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
    expected leaves; they must also equal the values the case was built from (else the *oracle* is
    wrong: a generator bug, or a torch one);
 3. ``base save`` (incremental cases): our writer saves the base (other values of the changed items);
+   ``earlier save`` (overwrite cases): our writer saves those other values where the state will go;
 4. ``save``: our writer saves the state (``dcp.save``, or ``dcp.async_save`` through the staging
-   pool, scribbling over the state once it is staged); incremental cases pass ``base=``;
+   pool, scribbling over the state once it is staged); incremental cases pass ``base=``, overwrite
+   cases ``overwrite=True``;
 5. ``load``: our reader loads it into a fresh load layout: must equal the expected leaves bitwise;
-6. ``download`` (rank 0): every object of the case copied to disk with plain boto3;
+6. ``download`` (rank 0): every object of the case copied to disk with a plain SDK;
 7. ``stock load of ours``: stock ``FileSystemReader`` loads the downloaded copy: must equal too;
-8. ``incremental bytes`` (rank 0): the incremental save stored about the changed items' bytes only.
+8. ``incremental bytes`` (rank 0): the incremental save stored about the changed items' bytes only;
+9. ``leftovers`` (overwrite cases, rank 0): no object of the earlier save is left beside the state;
+10. ``base overwrite`` and ``load after base overwrite`` (overwrite and incremental cases): other
+    values saved over the base with overwrite=True; the state must still load as expected.
 
 After every phase the ranks exchange their errors over the world, so that one rank's failure
 ends the case on every rank (a phase that hangs is the launcher's deadline's business).
@@ -68,6 +73,7 @@ class CaseRun:
         self.report = RankReport(self.rank)
         self.expected: dict[str, Any] = {}
         self.incremental = bool(case.opt("incremental"))
+        self.overwrite = bool(case.opt("overwrite"))
         self.ours = targets.case_uri(target, case_id, "ours")
         self.base = targets.case_uri(target, case_id, "base")
         self.local = self.work / "download" if target.kind != "local" else Path(target.root, case_id)
@@ -164,11 +170,17 @@ class CaseRun:
     def base_save(self) -> None:
         self._save(self.base, BASE)
 
+    def earlier_save(self) -> None:
+        self._save(self.ours, BASE)
+
     def save(self) -> None:
+        extra: dict[str, Any] = {"overwrite": True} if self.overwrite else {}
         if self.incremental:
-            self._save(self.ours, FINAL, base=self.base)
-        else:
-            self._save(self.ours, FINAL)
+            extra["base"] = self.base
+        self._save(self.ours, FINAL, **extra)
+
+    def base_overwrite(self) -> None:
+        self._save(self.base, FINAL, overwrite=True)
 
     def load(self) -> None:
         got = self._load(self._reader(self.ours), self.case.opt("api"), self.no_dist)
@@ -209,12 +221,26 @@ class CaseRun:
                 f"(base saved with hashes={self.case.opt('hashes')!r})"
             )
 
+    def leftovers(self) -> None:
+        """After an overwrite, the checkpoint's directory holds its ``.metadata`` and the objects it names."""
+        import torch.distributed.checkpoint as dcp
+
+        where = self.local / "ours"
+        records = dcp.FileSystemReader(str(where)).read_metadata().storage_data
+        named = {os.path.normpath(where / info.relative_path) for info in records.values()}
+        stored = {os.path.normpath(p) for p in where.rglob("*") if p.is_file() and p.name != ".metadata"}
+        left = sorted(os.path.relpath(p, where) for p in stored - named)
+        if left:
+            self.report.mismatches.append(f"overwrite left {len(left)} object(s) of the earlier save: {left[:5]}")
+
     # -- driver ---------------------------------------------------------------------------------------
     def phases(self) -> list[tuple[str, int, Any]]:
         c = self.case
         out: list[tuple[str, int, Any]] = [("stock save", c.w1, self.stock_save), ("stock load", c.w2, self.stock_load)]
         if self.incremental:
             out.append(("base save", c.w1, self.base_save))
+        if self.overwrite:
+            out.append(("earlier save", c.w1, self.earlier_save))
         out += [
             ("save", c.w1, self.save),
             ("load", c.w2, self.load),
@@ -223,6 +249,10 @@ class CaseRun:
         ]
         if self.incremental:
             out.append(("incremental bytes", 1, self.incremental_bytes))
+        if self.overwrite:
+            out.append(("leftovers", 1, self.leftovers))
+        if self.overwrite and self.incremental:
+            out += [("base overwrite", c.w1, self.base_overwrite), ("load after base overwrite", c.w2, self.load)]
         return out
 
 
