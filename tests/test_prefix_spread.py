@@ -4,7 +4,7 @@ The layout loads with S3Reader and, downloaded to a directory, with stock
 ``FileSystemReader``; ``ls`` sees one checkpoint (not one per sub-prefix);
 ``verify`` checks it; ``gc`` keeps a committed spread checkpoint, deletes an
 unreferenced spread shard left in it and the spread shards of a save that
-never committed; ``rm`` removes it.
+never committed; ``rm`` removes it; ``cp`` copies it.
 """
 
 from __future__ import annotations
@@ -91,3 +91,30 @@ def test_spread_layout_loads_lists_verifies_and_collects(
     target = _state(zeros=True)
     dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(uri))
     assert _same(target, _state())
+
+
+def test_spread_checkpoint_copies(s3_bucket: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+    """``cp`` of a spread checkpoint: its hashed sub-prefixes are inside it (not objects of a base), so it copies
+    without ``standalone``, server-side beside it and streamed to a directory; an incremental checkpoint on it
+    copies standalone."""
+    uri = f"s3://{s3_bucket}/run/step-1"
+    dcp_cloud.save(_state(), storage_writer=dcp_cloud.S3Writer(uri, spread_prefixes=True))
+    for dest in (f"s3://{s3_bucket}/copies/step-1", str(tmp_path / "step-1")):
+        report = dcp_cloud.copy_checkpoint(uri, dest)
+        assert report.objects == 1 and report.items_unverified == 0, report
+        assert dcp_cloud.verify(dest).objects == 1
+        target = _state(zeros=True)
+        dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(dest) if dest.startswith("s3://") else
+                       dcp_cloud.LocalReader(dest))  # fmt: skip
+        assert _same(target, _state())
+
+    changed = _state()
+    changed["w0"] = changed["w0"] + 1
+    later = f"s3://{s3_bucket}/run/step-2"
+    dcp_cloud.save(changed, storage_writer=dcp_cloud.S3Writer(later, spread_prefixes=True, base=uri))
+    with pytest.raises(dcp_cloud.UnsupportedCheckpointError, match="standalone"):
+        dcp_cloud.copy_checkpoint(later, str(tmp_path / "step-2"))
+    dcp_cloud.copy_checkpoint(later, str(tmp_path / "step-2"), standalone=True)
+    target = _state(zeros=True)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.LocalReader(str(tmp_path / "step-2")))
+    assert _same(target, changed)

@@ -28,6 +28,7 @@ items the checkpoint no longer uses).
 
 from __future__ import annotations
 
+import posixpath
 import time
 from collections import deque
 from concurrent.futures import Future, as_completed
@@ -136,7 +137,7 @@ def _copy(
         raise ConfigError(f"cp source and destination are the same checkpoint ({source})")
     metadata, body = _read_committed(src)
     names = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
-    outside = [n for n in names if "/" in n or n in ("", ".", "..")]
+    outside = [n for n in names if not _inside(n)]
     if outside and not standalone:
         raise UnsupportedCheckpointError(
             f"{source} references objects outside its prefix (e.g. {outside[0]!r}, an incremental checkpoint); "
@@ -206,6 +207,13 @@ def _copy(
         report.items_verified,
     )
     return report
+
+
+def _inside(name: str) -> bool:
+    """Whether a record's relative path names an object under the checkpoint's own prefix: directly, or under
+    the hashed sub-prefix of a spread save (``spread_prefixes=True``), not one of a base (``../step-1000/...``)."""
+    normal = posixpath.normpath(name)
+    return bool(name) and not name.startswith("/") and normal not in (".", "..") and not normal.startswith("../")
 
 
 def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]:
