@@ -212,6 +212,26 @@ def test_overwrite_replaces_and_leaves_no_stale_shards(backend, assert_same) -> 
     assert_same(target, new)
 
 
+def test_reader_reused_without_checkpoint_id_reads_what_is_committed_now(backend, assert_same) -> None:
+    """Torch calls reset() only with a checkpoint_id: a reader reused for a second load of the same URI (the
+    model, then the optimizer; or a "latest" checkpoint polled by an evaluation job) reads the ``.metadata``
+    committed then, as stock FileSystemReader does, not the one of its first load."""
+    uri = backend.uri("latest")
+    dcp.save({"w": torch.zeros(5), "b": torch.zeros(3)}, storage_writer=backend.writer(uri))
+    reader = backend.reader(uri)
+    target = {"w": torch.ones(5)}
+    dcp.load(target, storage_reader=reader)
+    assert_same(target, {"w": torch.zeros(5)})
+    target = {"b": torch.ones(3)}
+    dcp.load(target, storage_reader=reader)  # the same checkpoint, a second part of it
+    assert_same(target, {"b": torch.zeros(3)})
+    new = {"w": torch.arange(5.0), "b": torch.arange(3.0)}
+    dcp.save(new, storage_writer=backend.writer(uri, overwrite=True))
+    target = {"w": torch.zeros(5), "b": torch.zeros(3)}
+    dcp.load(target, storage_reader=reader)
+    assert_same(target, new)
+
+
 def test_missing_and_uncommitted_checkpoints_are_not_found(backend) -> None:
     with pytest.raises(CheckpointNotFoundError) as missing:
         backend.reader(backend.uri("never-saved"))

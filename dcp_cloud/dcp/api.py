@@ -104,8 +104,12 @@ class S3Writer(CloudWriter):
 class S3Reader(CloudReader):
     """Load from ``s3://bucket/prefix`` (same configuration as :class:`S3Writer`).
 
-    In a process group, the group's rank 0 fetches ``.metadata`` and
-    broadcasts it (one GET per load job instead of one per rank). Pass
+    ``.metadata`` is fetched when the reader is built, for its first load
+    (a load with ``checkpoint_id=`` fetches it anew, and so does every
+    later load with the same reader: a checkpoint saved again at the URI
+    is read as committed then). In a process group, the group's rank 0
+    fetches it and broadcasts it (one GET per load job instead of one per
+    rank). Pass
     ``process_group=`` when ``dcp.load`` runs in a group other than the
     default one, and ``share_metadata=False`` when only some ranks of the
     group load (``dcp.load(..., no_dist=True)`` on a subset).

@@ -185,9 +185,10 @@ class CloudReader(CloudBase, StorageReader):
             self._open()
 
     def read_metadata(self) -> Metadata:
-        if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here
-            self._recorder.reset()
+        if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here, of what is
+            self._recorder.reset()  # committed now (the checkpoint may have been overwritten since)
             self._loaded = False
+            self._metadata = None
         if self._metadata is None:
             group = sharing_group(self.process_group, self.share_metadata)
             url = self.store.url(self._metadata_key())
