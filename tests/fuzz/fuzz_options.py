@@ -111,6 +111,13 @@ OPTIONS: tuple[Option, ...] = (
     #: replaced objects must be gone); an incremental case then also overwrites its base, which must keep
     #: what the case's checkpoint still references.
     Option("overwrite", "case", (False, True)),
+    #: Copy the saved checkpoint with copy_checkpoint (an incremental one standalone) beside it in the same
+    #: store (server-side) or to a local directory (streamed from a bucket), verify both, and load the copy.
+    Option("copy", "case", (False, "beside", "to_disk")),
+    #: Load twice with one reader (torch calls reset() only with a checkpoint_id: the second load reuses it
+    #: as it is, like a model and then an optimizer loaded from one checkpoint); an overwrite and incremental
+    #: case loads with it once more after its base is overwritten.
+    Option("reader_reuse", "case", (False, True)),
 )
 
 _NAMES = [o.name for o in OPTIONS]

@@ -59,6 +59,20 @@ def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
     return dcp_cloud.LocalReader(uri, **kw)
 
 
+def maintenance_options(target: Target, store: dict[str, Any]) -> dict[str, Any]:
+    """Store options of ``target`` as the maintenance functions (copy_checkpoint, verify) take them."""
+    if target.kind == "s3":
+        from dcp_cloud.store.protocol import PartLimits
+        from dcp_cloud.store.s3 import S3Config
+
+        limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
+        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
+        return {"config": config, "part_limits": limits}
+    if target.kind == "gcs":
+        return {"config": _gcs_config(target, store)}
+    return {}
+
+
 def _gcs_config(target: Target, store: dict[str, Any]) -> Any:
     from dcp_cloud.store.gcs import GCSConfig
 

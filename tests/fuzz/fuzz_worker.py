@@ -11,11 +11,16 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
 4. ``save``: our writer saves the state (``dcp.save``, or ``dcp.async_save`` through the staging
    pool, scribbling over the state once it is staged); incremental cases pass ``base=``, overwrite
    cases ``overwrite=True``;
-5. ``load``: our reader loads it into a fresh load layout: must equal the expected leaves bitwise;
+5. ``load``: our reader loads it into a fresh load layout: must equal the expected leaves bitwise
+   (reader_reuse cases: twice with the same reader, which in overwrite cases loaded the earlier save
+   before the overwrite, and once more after a base overwrite);
 6. ``download`` (rank 0): every object of the case copied to disk with a plain SDK;
 7. ``stock load of ours``: stock ``FileSystemReader`` loads the downloaded copy: must equal too;
 8. ``incremental bytes`` (rank 0): the incremental save stored about the changed items' bytes only;
 9. ``leftovers`` (overwrite cases, rank 0): no object of the earlier save is left beside the state;
+   ``copy`` (copy cases, rank 0): ``verify`` of the checkpoint, ``copy_checkpoint`` of it beside it or to
+   a local directory (standalone where incremental), ``verify`` of the copy; ``load of the copy``: our
+   reader loads the copy, which must equal the expected leaves too;
 10. ``base overwrite`` and ``load after base overwrite`` (overwrite and incremental cases): other
     values saved over the base with overwrite=True; the state must still load as expected.
 
@@ -74,6 +79,7 @@ class CaseRun:
         self.expected: dict[str, Any] = {}
         self.incremental = bool(case.opt("incremental"))
         self.overwrite = bool(case.opt("overwrite"))
+        self._kept_reader: Any = None  # the load's reader, kept for a later load with it (reader_reuse)
         self.ours = targets.case_uri(target, case_id, "ours")
         self.base = targets.case_uri(target, case_id, "base")
         self.local = self.work / "download" if target.kind != "local" else Path(target.root, case_id)
@@ -98,18 +104,20 @@ class CaseRun:
     def no_dist(self) -> bool:
         return bool(self.case.opt("no_dist")) and self.case.w2 == 1
 
-    def _reader(self, uri: str) -> Any:
+    def _reader(self, uri: str, target: Target | None = None) -> Any:
         import dcp_cloud
 
+        target = target or self.target
+
         c = self.case
-        transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(self.target, _given(c.load_transfer)))
+        transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(target, _given(c.load_transfer)))
         kw = _given(by_scope(c.options, "reader"))
         kw["staging"] = dcp_cloud.StagingConfig(**_given(by_scope(c.options, "staging")))
         if self.no_dist:
             kw.update(share_metadata=False, process_group=None)
         else:
             kw.update(process_group=self.ranks.groups[c.w2])
-        return targets.reader(self.target, uri, by_scope(c.options, self.target.kind), transfer=transfer, **kw)
+        return targets.reader(target, uri, by_scope(c.options, target.kind), transfer=transfer, **kw)
 
     def _planner(self) -> Any:
         from dcp_cloud import BalancedSavePlanner
@@ -173,6 +181,11 @@ class CaseRun:
     def earlier_save(self) -> None:
         self._save(self.ours, BASE)
 
+    def earlier_load(self) -> None:
+        """A load of the earlier save by the reader the case's load reuses (its values are not the oracle's)."""
+        self._kept_reader = self._reader(self.ours)
+        self._load(self._kept_reader, self.case.opt("api"), self.no_dist)
+
     def save(self) -> None:
         extra: dict[str, Any] = {"overwrite": True} if self.overwrite else {}
         if self.incremental:
@@ -183,8 +196,13 @@ class CaseRun:
         self._save(self.base, FINAL, overwrite=True)
 
     def load(self) -> None:
-        got = self._load(self._reader(self.ours), self.case.opt("api"), self.no_dist)
-        self.report.mismatches += differences(got, self.expected, f"our load, rank {self.rank}")
+        reuse = bool(self.case.opt("reader_reuse"))
+        reader = self._kept_reader if reuse and self._kept_reader is not None else self._reader(self.ours)
+        for turn in range(2 if reuse else 1):
+            got = self._load(reader, self.case.opt("api"), self.no_dist)
+            what = f"our {'second ' if turn else ''}load{' (reader reused)' if reuse else ''}, rank {self.rank}"
+            self.report.mismatches += differences(got, self.expected, what)
+        self._kept_reader = reader
 
     def download(self) -> None:
         targets.download(self.target, self.case_id, self.local)
@@ -221,6 +239,34 @@ class CaseRun:
                 f"(base saved with hashes={self.case.opt('hashes')!r})"
             )
 
+    @property
+    def _copy_target(self) -> Target:
+        if self.case.opt("copy") == "to_disk":
+            return Target("disk", "local", str(self.work / "copies"))
+        return self.target
+
+    def copy(self) -> None:
+        import dcp_cloud
+
+        store = targets.maintenance_options(self.target, by_scope(self.case.options, self.target.kind))
+        dest = self._copy_target
+        dest_store = targets.maintenance_options(dest, by_scope(self.case.options, dest.kind))
+        copied = targets.case_uri(dest, self.case_id, "copy")
+        if dest.kind == "local":
+            Path(copied).parent.mkdir(parents=True, exist_ok=True)
+        checked = dcp_cloud.verify(self.ours, **store)
+        if self.case.opt("checksums") is not False and checked.items_unverified:
+            self.report.mismatches.append(f"verify: items saved with checksums on have none: {checked}")
+        dcp_cloud.copy_checkpoint(
+            self.ours, copied, source_options=store, destination_options=dest_store, standalone=self.incremental
+        )
+        dcp_cloud.verify(copied, **dest_store)
+
+    def load_copy(self) -> None:
+        dest = self._copy_target
+        got = self._load(self._reader(targets.case_uri(dest, self.case_id, "copy"), dest), self.case.opt("api"))
+        self.report.mismatches += differences(got, self.expected, f"our load of the copy, rank {self.rank}")
+
     def leftovers(self) -> None:
         """After an overwrite, the checkpoint's directory holds its ``.metadata`` and the objects it names."""
         import torch.distributed.checkpoint as dcp
@@ -241,6 +287,8 @@ class CaseRun:
             out.append(("base save", c.w1, self.base_save))
         if self.overwrite:
             out.append(("earlier save", c.w1, self.earlier_save))
+            if c.opt("reader_reuse"):
+                out.append(("earlier load", c.w2, self.earlier_load))
         out += [
             ("save", c.w1, self.save),
             ("load", c.w2, self.load),
@@ -251,6 +299,8 @@ class CaseRun:
             out.append(("incremental bytes", 1, self.incremental_bytes))
         if self.overwrite:
             out.append(("leftovers", 1, self.leftovers))
+        if c.opt("copy"):
+            out += [("copy", 1, self.copy), ("load of the copy", c.w2, self.load_copy)]
         if self.overwrite and self.incremental:
             out += [("base overwrite", c.w1, self.base_overwrite), ("load after base overwrite", c.w2, self.load)]
         return out
