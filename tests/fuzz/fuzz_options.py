@@ -118,6 +118,10 @@ OPTIONS: tuple[Option, ...] = (
     #: as it is, like a model and then an optimizer loaded from one checkpoint); an overwrite and incremental
     #: case loads with it once more after its base is overwritten.
     Option("reader_reuse", "case", (False, True)),
+    #: Save other values first with the writer the case's save then reuses (a training loop's one writer):
+    #: elsewhere, then at the case's URI through dcp.save's checkpoint_id; in an overwrite case at the same
+    #: URI, without a checkpoint_id (no reset: the writer starts its next save by itself).
+    Option("writer_reuse", "case", (False, True)),
 )
 
 _NAMES = [o.name for o in OPTIONS]

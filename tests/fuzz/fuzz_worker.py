@@ -8,6 +8,8 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
    wrong: a generator bug, or a torch one);
 3. ``base save`` (incremental cases): our writer saves the base (other values of the changed items);
    ``earlier save`` (overwrite cases): our writer saves those other values where the state will go;
+   ``first save`` (writer_reuse cases that do not overwrite): they are saved elsewhere, by the writer
+   that the case's save then reuses (overwrite cases reuse the earlier save's writer);
 4. ``save``: our writer saves the state (``dcp.save``, or ``dcp.async_save`` through the staging
    pool, scribbling over the state once it is staged); incremental cases pass ``base=``, overwrite
    cases ``overwrite=True``;
@@ -80,6 +82,8 @@ class CaseRun:
         self.incremental = bool(case.opt("incremental"))
         self.overwrite = bool(case.opt("overwrite"))
         self._kept_reader: Any = None  # the load's reader, kept for a later load with it (reader_reuse)
+        self.reuse_writer = bool(case.opt("writer_reuse"))
+        self._kept_writer: Any = None  # the writer of an earlier save that the case's save reuses
         self.ours = targets.case_uri(target, case_id, "ours")
         self.base = targets.case_uri(target, case_id, "base")
         self.local = self.work / "download" if target.kind != "local" else Path(target.root, case_id)
@@ -158,17 +162,21 @@ class CaseRun:
         what = f"ORACLE (stock torch vs the values the case was built from), rank {self.rank}"
         self.report.mismatches += differences(plain, truth, what)
 
-    def _save(self, uri: str, which: str, **extra: Any) -> None:
+    def _save(self, uri: str, which: str, writer: Any = None, checkpoint_id: str | None = None, **extra: Any) -> None:
+        """Save the ``which`` values to ``uri`` with a new writer, or with ``writer`` (reused: ``checkpoint_id``
+        is passed to dcp.save, which resets it, or None: it goes on at the URI it has)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         state = build(self.case, "save", which, self.ranks)
-        writer = self._writer(uri, **extra)
-        group = self.ranks.groups[self.case.w1]
+        writer = writer if writer is not None else self._writer(uri, **extra)
+        how = {"storage_writer": writer, "planner": self._planner(), "process_group": self.ranks.groups[self.case.w1]}
+        if checkpoint_id is not None:
+            how["checkpoint_id"] = checkpoint_id
         if not self.case.opt("async_save"):
-            dcp.save(state, storage_writer=writer, planner=self._planner(), process_group=group)
+            dcp.save(state, **how)
             return
-        response = dcp.async_save(state, storage_writer=writer, planner=self._planner(), process_group=group)
+        response = dcp.async_save(state, **how)
         if isinstance(response, AsyncSaveResponse):
             response.staging_completion.result()
             response = response.upload_completion
@@ -178,8 +186,23 @@ class CaseRun:
     def base_save(self) -> None:
         self._save(self.base, BASE)
 
+    def _save_extra(self) -> dict[str, Any]:
+        """The writer keywords of the case's save (beyond the drawn ones)."""
+        extra: dict[str, Any] = {"overwrite": True} if self.overwrite else {}
+        if self.incremental:
+            extra["base"] = self.base
+        return extra
+
     def earlier_save(self) -> None:
-        self._save(self.ours, BASE)
+        if self.reuse_writer:  # the writer of the case's save, which goes on at the same URI (no reset)
+            self._kept_writer = self._writer(self.ours, **self._save_extra())
+        self._save(self.ours, BASE, writer=self._kept_writer)
+
+    def first_save(self) -> None:
+        """The other values saved elsewhere by the writer the case's save reuses (writer_reuse)."""
+        first = targets.case_uri(self.target, self.case_id, "first")
+        self._kept_writer = self._writer(first, **self._save_extra())
+        self._save(first, BASE, writer=self._kept_writer)
 
     def earlier_load(self) -> None:
         """A load of the earlier save by the reader the case's load reuses (its values are not the oracle's)."""
@@ -187,10 +210,10 @@ class CaseRun:
         self._load(self._kept_reader, self.case.opt("api"), self.no_dist)
 
     def save(self) -> None:
-        extra: dict[str, Any] = {"overwrite": True} if self.overwrite else {}
-        if self.incremental:
-            extra["base"] = self.base
-        self._save(self.ours, FINAL, **extra)
+        if self._kept_writer is not None:  # reused: to another URI through dcp.save's checkpoint_id
+            self._save(self.ours, FINAL, self._kept_writer, None if self.overwrite else self.ours)
+        else:
+            self._save(self.ours, FINAL, **self._save_extra())
 
     def base_overwrite(self) -> None:
         self._save(self.base, FINAL, overwrite=True)
@@ -289,6 +312,8 @@ class CaseRun:
             out.append(("earlier save", c.w1, self.earlier_save))
             if c.opt("reader_reuse"):
                 out.append(("earlier load", c.w2, self.earlier_load))
+        elif self.reuse_writer:
+            out.append(("first save", c.w1, self.first_save))
         out += [
             ("save", c.w1, self.save),
             ("load", c.w2, self.load),
