@@ -122,6 +122,10 @@ OPTIONS: tuple[Option, ...] = (
     #: elsewhere, then at the case's URI through dcp.save's checkpoint_id; in an overwrite case at the same
     #: URI, without a checkpoint_id (no reset: the writer starts its next save by itself).
     Option("writer_reuse", "case", (False, True)),
+    #: At the end: gc of the case's root (nothing a committed checkpoint references may go; the checkpoint,
+    #: and its copy, load again), or rm: an incremental case's base is refused while the checkpoint uses it,
+    #: then the checkpoint (and then its base) is removed, leaving no object behind.
+    Option("cleanup", "case", (False, "gc", "rm")),
 )
 
 _NAMES = [o.name for o in OPTIONS]

@@ -25,6 +25,19 @@ def case_uri(target: Target, case_id: str, name: str) -> str:
     return str(Path(target.root, case_id, name))
 
 
+def case_root(target: Target, case_id: str) -> str:
+    """The URI (or directory) every checkpoint of the case lives under."""
+    return case_uri(target, case_id, "").rstrip("/")
+
+
+def stored_keys(target: Target, case_id: str, name: str) -> list[str]:
+    """The keys (relative to the case) of every object stored under the case's ``name`` prefix, by plain SDK."""
+    if target.kind == "local":
+        where = Path(target.root, case_id, name)
+        return sorted(str(p.relative_to(Path(target.root, case_id))) for p in where.rglob("*") if p.is_file())
+    return sorted(key[len(case_id) + 1 :] for key, _ in _keys(target, f"{case_id}/{name}/"))
+
+
 def transfer_kwargs(target: Target, values: dict[str, Any]) -> dict[str, Any]:
     """TransferConfig keywords of a case: ``MIN_PART`` becomes the target's smallest part."""
     return {k: (target.min_part_size if v == MIN_PART else v) for k, v in values.items()}

@@ -24,7 +24,10 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
    a local directory (standalone where incremental), ``verify`` of the copy; ``load of the copy``: our
    reader loads the copy, which must equal the expected leaves too;
 10. ``base overwrite`` and ``load after base overwrite`` (overwrite and incremental cases): other
-    values saved over the base with overwrite=True; the state must still load as expected.
+    values saved over the base with overwrite=True; the state must still load as expected;
+11. ``gc`` (rank 0) and ``load after gc`` (cleanup="gc" cases): gc of the case's root, after which the
+    state (and its copy) must load as expected; ``rm`` (cleanup="rm", rank 0): removing the base of an
+    incremental case is refused, removing the state leaves no object, and then so does the base's.
 
 After every phase the ranks exchange their errors over the world, so that one rank's failure
 ends the case on every rank (a phase that hangs is the launcher's deadline's business).
@@ -112,7 +115,6 @@ class CaseRun:
         import dcp_cloud
 
         target = target or self.target
-
         c = self.case
         transfer = dcp_cloud.TransferConfig(**targets.transfer_kwargs(target, _given(c.load_transfer)))
         kw = _given(by_scope(c.options, "reader"))
@@ -287,7 +289,8 @@ class CaseRun:
 
     def load_copy(self) -> None:
         dest = self._copy_target
-        got = self._load(self._reader(targets.case_uri(dest, self.case_id, "copy"), dest), self.case.opt("api"))
+        reader = self._reader(targets.case_uri(dest, self.case_id, "copy"), dest)
+        got = self._load(reader, self.case.opt("api"), self.no_dist)
         self.report.mismatches += differences(got, self.expected, f"our load of the copy, rank {self.rank}")
 
     def leftovers(self) -> None:
@@ -301,6 +304,50 @@ class CaseRun:
         left = sorted(os.path.relpath(p, where) for p in stored - named)
         if left:
             self.report.mismatches.append(f"overwrite left {len(left)} object(s) of the earlier save: {left[:5]}")
+
+    def _store(self) -> dict[str, Any]:
+        return targets.maintenance_options(self.target, by_scope(self.case.options, self.target.kind))
+
+    def gc(self) -> None:
+        import dcp_cloud
+
+        dcp_cloud.gc(targets.case_root(self.target, self.case_id), older_than=0, **self._store())
+
+    def after_gc(self) -> None:
+        self.load()
+        if self.case.opt("copy"):
+            self.load_copy()
+
+    def rm(self) -> None:
+        """rm refuses a base the checkpoint uses (and removes one it does not); each removal leaves nothing."""
+        import torch.distributed.checkpoint as dcp
+
+        import dcp_cloud
+
+        if self.incremental:
+            records = dcp.FileSystemReader(str(self.local / "ours")).read_metadata().storage_data.values()
+            uses_base = any(str(info.relative_path).startswith("../") for info in records)
+            if uses_base:
+                try:
+                    dcp_cloud.remove_checkpoint(self.base, **self._store())
+                except dcp_cloud.CheckpointInUseError:
+                    pass
+                else:
+                    self.report.mismatches.append("rm of the base succeeded while the checkpoint references it")
+                    return
+            else:  # a base saved with hashes=False: nothing was referenced, everything uploaded
+                self._remove(self.base, "base")
+        self._remove(self.ours, "ours")
+        if self.incremental and uses_base:  # no dependent now
+            self._remove(self.base, "base")
+
+    def _remove(self, uri: str, name: str) -> None:
+        import dcp_cloud
+
+        dcp_cloud.remove_checkpoint(uri, **self._store())
+        left = targets.stored_keys(self.target, self.case_id, name)
+        if left:
+            self.report.mismatches.append(f"rm of {name} left {len(left)} object(s): {left[:5]}")
 
     # -- driver ---------------------------------------------------------------------------------------
     def phases(self) -> list[tuple[str, int, Any]]:
@@ -328,6 +375,10 @@ class CaseRun:
             out += [("copy", 1, self.copy), ("load of the copy", c.w2, self.load_copy)]
         if self.overwrite and self.incremental:
             out += [("base overwrite", c.w1, self.base_overwrite), ("load after base overwrite", c.w2, self.load)]
+        if c.opt("cleanup") == "gc":
+            out += [("gc", 1, self.gc), ("load after gc", c.w2, self.after_gc)]
+        elif c.opt("cleanup") == "rm":
+            out.append(("rm", 1, self.rm))
         return out
 
 
