@@ -105,6 +105,9 @@ OPTIONS: tuple[Option, ...] = (
     #: A load by one process of a group outside DCP's collectives (an evaluation job): with w2 == 1 only
     #: (ignored otherwise); its reader gets share_metadata=False and no group, as the reader's docs say.
     Option("no_dist", "load", (False, True)),
+    #: Our load asks for a part of the state (every top-level key but the first, where there are two or more:
+    #: the weights without the optimizer); with reader_reuse, the reader's second load is the whole state.
+    Option("partial_load", "load", (False, True)),
     #: Save a base first (other values of the same items), then this case's state with base=.
     Option("incremental", "case", (False, True)),
     #: Save other values at the checkpoint first, then this case's state there with overwrite=True (its
