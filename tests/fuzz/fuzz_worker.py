@@ -332,26 +332,32 @@ class CaseRun:
             self.load_copy()
 
     def rm(self) -> None:
-        """rm refuses a base the checkpoint uses (and removes one it does not); each removal leaves nothing."""
+        """rm refuses a base that a checkpoint of the case uses (and removes one none uses); each removal
+        leaves nothing behind."""
         import torch.distributed.checkpoint as dcp
 
         import dcp_cloud
 
-        if self.incremental:
-            records = dcp.FileSystemReader(str(self.local / "ours")).read_metadata().storage_data.values()
-            uses_base = any(str(info.relative_path).startswith("../") for info in records)
-            if uses_base:
-                try:
-                    dcp_cloud.remove_checkpoint(self.base, **self._store())
-                except dcp_cloud.CheckpointInUseError:
-                    pass
-                else:
-                    self.report.mismatches.append("rm of the base succeeded while the checkpoint references it")
-                    return
-            else:  # a base saved with hashes=False: nothing was referenced, everything uploaded
-                self._remove(self.base, "base")
-        self._remove(self.ours, "ours")
-        if self.incremental and uses_base:  # no dependent now
+        # the case's checkpoints that may reference the base: its own, and the first save of a reused writer
+        names = ["ours"] + (["first"] if self.reuse_writer and not self.overwrite else [])
+        uses_base = self.incremental and any(
+            str(info.relative_path).startswith("../")
+            for name in names
+            for info in dcp.FileSystemReader(str(self.local / name)).read_metadata().storage_data.values()
+        )
+        if uses_base:
+            try:
+                dcp_cloud.remove_checkpoint(self.base, **self._store())
+            except dcp_cloud.CheckpointInUseError:
+                pass
+            else:
+                self.report.mismatches.append("rm of the base succeeded while a checkpoint references it")
+                return
+        elif self.incremental:  # e.g. a base saved with hashes=False: nothing was referenced, all uploaded
+            self._remove(self.base, "base")
+        for name in names:
+            self._remove(targets.case_uri(self.target, self.case_id, name), name)
+        if uses_base:  # no dependent now
             self._remove(self.base, "base")
 
     def _remove(self, uri: str, name: str) -> None:
