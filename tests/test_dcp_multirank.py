@@ -266,3 +266,45 @@ def test_fsdp2_adam_saved_on_4_loads_on_1_2_3_4(backend, assert_same) -> None:
         assert out[rank]["caught"] == expected, (rank, out[rank]["caught"])
     # The losing save left no committed change: the winner's checkpoint is intact.
     assert len([k for k in backend.keys(late) if k.endswith(".distcp")]) >= 1
+
+
+def _retry_with_the_same_readers(rank: int, world_size: int, name: str, uri: str, shared: bool) -> dict[str, Any]:
+    """Save, then a load that fails on rank 1 as its read_data starts (its transfer engine cannot start, once:
+    no server can make that happen) while the other ranks read theirs, or wait in the shared reads' exchange;
+    then the load again, with the same readers on every rank (torch calls no reset() without a checkpoint_id)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_cloud.dcp.reader import CloudReader
+
+    values = {f"w{r}": torch.full((64,), float(r + 1)) for r in range(world_size)}
+    dcp.save({"both": torch.arange(5.0), f"w{rank}": values[f"w{rank}"]}, storage_writer=_make("w", name, uri))
+    reader = _make("r", name, uri, share_reads=shared)
+    if rank == 1:
+        original = CloudReader._engine
+
+        def fails_once(self: Any) -> Any:
+            CloudReader._engine = original  # type: ignore[method-assign]
+            raise RuntimeError("can't start new thread")
+
+        CloudReader._engine = fails_once  # type: ignore[method-assign]
+    state = {"both": torch.zeros(5), f"w{rank}": torch.zeros(64)}
+    try:
+        dcp.load(state, storage_reader=reader)
+        first = "no error"
+    except CheckpointException as exc:
+        first = "rank 1" if 1 in exc.failures else f"other ranks: {sorted(exc.failures)}"
+    dcp.load(state, storage_reader=reader)  # the same reader, on every rank
+    return {"first": first, "ok": bool(torch.equal(state[f"w{rank}"], values[f"w{rank}"]))}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-reads", "shared-reads"])
+def test_a_failed_load_retried_with_the_same_readers_loads(backend, shared: bool) -> None:
+    """The failing rank's error reaches every rank at once, also where the others wait for it in the shared reads'
+    exchange; and every rank reads the metadata anew for the retry, or none does (where the ranks that finished
+    the failed load and the one that did not disagreed, the retry's metadata broadcast would wait for the
+    group's timeout)."""
+    uri = backend.uri(f"retry-{'shared' if shared else 'own'}")
+    out = run_ranks(3, _retry_with_the_same_readers, backend.name, uri, shared, env=backend.child_env, timeout=180)
+    assert [r["first"] for r in out] == ["rank 1"] * 3, out
+    assert all(r["ok"] for r in out), out

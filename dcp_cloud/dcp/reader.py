@@ -69,7 +69,7 @@ from .loadrun import LoadRun
 from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess
 from .readplan import request_size
-from .sharedreads import Exchange
+from .sharedreads import Exchange, carry_failure
 from .staging import StagingConfig
 
 
@@ -130,6 +130,7 @@ class CloudReader(CloudBase, StorageReader):
         self._metadata = None
         self._metadata_error = None
         self._metadata_body = None
+        self._fresh = True  # the next read_metadata may use what is fetched here; later ones fetch anew
         self._warm()
         group = sharing_group(self.process_group, self.share_metadata)
         if group is not None and dist.get_rank(group) != 0:
@@ -185,10 +186,12 @@ class CloudReader(CloudBase, StorageReader):
             self._open()
 
     def read_metadata(self) -> Metadata:
-        if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here, of what is
-            self._recorder.reset()  # committed now (the checkpoint may have been overwritten since)
+        if getattr(self, "_loaded", False):  # reused without reset(): a new load starts here
+            self._recorder.reset()
             self._loaded = False
-            self._metadata = None
+        if not self._fresh:  # of what is committed now (the checkpoint may have been overwritten since); on
+            self._metadata = None  # every rank alike, whatever the last load did on each
+        self._fresh = False
         if self._metadata is None:
             group = sharing_group(self.process_group, self.share_metadata)
             url = self.store.url(self._metadata_key())
@@ -255,24 +258,27 @@ class CloudReader(CloudBase, StorageReader):
         started = time.perf_counter()
         # Counters keep the metadata fetch of the constructor/reset; the clock times the reads.
         self._recorder.restart_clock()
-        records = [(self._info(req), req) for req in plan.items]
-        records.sort(key=lambda r: (r[0].relative_path, r[0].offset))
         schedule = plan.storage_data if isinstance(plan.storage_data, ShareSchedule) else None
-        sizes: dict[str, int] = {}
-        for info, req in records:
-            sizes[info.relative_path] = sizes.get(info.relative_path, 0) + self._wanted_bytes(req, info)
-        t = self.transfer
-        chunk = request_size(list(sizes.values()) or [0], self._world(), t.concurrency, t.read_chunk_size)
-        with self._engine() as engine:
-            run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk, self.staging)
-            try:
-                if schedule is None:
-                    self._read_own(run, records)
-                else:
-                    self._read_shared(run, records, schedule)
-            finally:
-                run.close_landing()  # every copy to a device is done when the load returns
-            peak = engine.budget.peak
+        exchanging = False  # whether a failure now reaches the other ranks through the shared reads' exchange
+        try:
+            records = sorted(((self._info(r), r) for r in plan.items), key=lambda x: (x[0].relative_path, x[0].offset))
+            sizes: dict[str, int] = {}
+            for info, req in records:
+                sizes[info.relative_path] = sizes.get(info.relative_path, 0) + self._wanted_bytes(req, info)
+            t = self.transfer
+            chunk = request_size(list(sizes.values()) or [0], self._world(), t.concurrency, t.read_chunk_size)
+            with self._engine() as engine:
+                run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk, self.staging)
+                try:
+                    exchanging = schedule is not None
+                    self._read_own(run, records) if schedule is None else self._read_shared(run, records, schedule)
+                finally:
+                    run.close_landing()  # every copy to a device is done when the load returns
+                peak = engine.budget.peak
+        except Exception as exc:
+            if schedule is not None and not exchanging:  # the other ranks wait in the exchange: fail them there
+                carry_failure(sharing_group(self.process_group, True), schedule, exc)
+            raise
         self._recorder.stop_clock()
         self._last_stats = self._recorder.snapshot(peak_buffer_bytes=peak)
         self._loaded = True
@@ -282,12 +288,8 @@ class CloudReader(CloudBase, StorageReader):
         log.log(
             logging.INFO if getattr(self, "is_coordinator", True) else logging.DEBUG,
             "loaded %s: %d bytes read by this rank in %.2fs (%.1f MB/s, %d requests, %d retries)",
-            self.checkpoint_id,
-            read,
-            seconds,
-            read / 1e6 / seconds if seconds > 0 else 0.0,
-            self._last_stats.total_requests,
-            self._last_stats.retries,
+            *(self.checkpoint_id, read, seconds, read / 1e6 / seconds if seconds > 0 else 0.0),
+            *(self._last_stats.total_requests, self._last_stats.retries),
         )
         fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)

@@ -53,7 +53,7 @@ from .loadrun import LoadRun
 from .metashare import from_rank, portable
 from .torchprivate import pickles_tensor_metadata
 
-__all__ = ["Exchange", "SharedReadError"]
+__all__ = ["Exchange", "SharedReadError", "carry_failure"]
 
 
 class SharedReadError(StoreError):
@@ -127,6 +127,35 @@ class _Fetch:
         for futures, _, _ in self.reads:
             for fut in futures:
                 fut.exception()
+
+
+def _status(group: Any, device: Any, error: BaseException | None, modes: list[int]) -> list[int]:
+    """Every rank's status and the owners' ``modes``, in one small all-reduce (MAX); only when some rank
+    failed, an all-gather carries the typed errors, and the first is raised (this rank's own, else the
+    lowest failed rank's)."""
+    flags = torch.tensor([int(error is not None), *modes], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    values = flags.tolist()
+    if values[0]:
+        mine = None if error is None else _portable(error)
+        statuses: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(statuses, mine, group=group)
+        if error is not None:
+            raise error
+        for rank, status in enumerate(statuses):
+            if status is not None:
+                raise from_rank(status, dist.get_global_rank(group, rank))
+        raise SharedReadError("another rank of the load failed")
+    return [int(v) for v in values[1:]]
+
+
+def carry_failure(group: Any, schedule: ShareSchedule, error: BaseException) -> None:
+    """Raise ``error`` of a rank that failed before its part of the exchange began (its read_data raised
+    before it reached the schedule), at the schedule's first status exchange, where the other ranks wait:
+    every rank raises there, instead of waiting for the group's timeout."""
+    if schedule.rounds:
+        _status(group, _comm_device(group), error, [0] * len(schedule.rounds[0]))
+    raise error
 
 
 class Exchange:
@@ -307,23 +336,7 @@ class Exchange:
         return engine.read(key, info.offset, [memoryview(buf)]), after_whole
 
     def _status(self, error: BaseException | None, modes: list[int]) -> list[int]:
-        """Every rank's status and the owners' ``modes``, in one small all-reduce (MAX); only when some rank
-        failed, an all-gather carries the typed errors, and the first is raised (this rank's own, else the
-        lowest failed rank's)."""
-        flags = torch.tensor([int(error is not None), *modes], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        values = flags.tolist()
-        if values[0]:
-            mine = None if error is None else _portable(error)
-            statuses: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(statuses, mine, group=self.group)
-            if error is not None:
-                raise error
-            for rank, status in enumerate(statuses):
-                if status is not None:
-                    raise from_rank(status, dist.get_global_rank(self.group, rank))
-            raise SharedReadError("another rank of the load failed")
-        return [int(v) for v in values[1:]]
+        return _status(self.group, self.device, error, modes)
 
     def _mode(self, rec: SharedRecord) -> int:
         if rec.owner != self.rank:
