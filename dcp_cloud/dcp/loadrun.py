@@ -95,6 +95,7 @@ class LoadRun:
         #: The ring device destinations land through (see :mod:`.landing`).
         self.staging = staging or StagingConfig()
         self.landing: Landing | None = None
+        self._no_landing = False
         self.planner = planner
         self.transfer = transfer
         #: Most bytes of one planned request (``read_chunk_size`` unless :func:`.readplan.request_size` cut
@@ -286,9 +287,10 @@ class LoadRun:
 
     def _landing_for(self, target: torch.Tensor) -> bool:
         """Whether ``target``'s bytes can land through this run's pinned chunks (opening them at first use)."""
-        if self.landing is None:
+        if self.landing is None and not self._no_landing:
             most = max(self.chunk + self.chunk // TAIL_SLACK, self.transfer.checksum_block_size)
             self.landing = open_landing(target.device, self.staging, most, self.engine.budget.capacity)
+            self._no_landing = self.landing is None  # asked once per read: the plain path for the rest
         return self.landing is not None and target.device == self.landing.device
 
     def close_landing(self) -> None:
