@@ -397,6 +397,14 @@ def test_the_default_cap_is_half_the_memory_this_process_may_use() -> None:
         StagingConfig(pinned_limit_bytes=-1)
 
 
+def test_copy_threads_default_to_this_ranks_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    for ranks, threads in (("1", 16), ("8", 8), ("32", 2), ("128", 1), ("", 16), ("x", 16)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert StagingConfig().host_threads == threads, ranks
+    assert StagingConfig(copy_threads=3).host_threads == 3
+
+
 # -- loads into strided device regions: bounded device temporaries -------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(

@@ -414,4 +414,6 @@ def test_load_into_cuda_tensors_copies_once(
     assert torch.cuda.memory_allocated() == before
     assert all(t.device.type == "cuda" for t in target.values())
     assert _check_plain({k: v.cpu() for k, v in target.items()}, spec) == []
-    assert reader.stats.bytes_read == sum(t.nbytes for t in target.values())
+    # the payload, the index footers and the framing read through between neighbouring items (as on the CPU)
+    payload = sum(t.nbytes for t in target.values())
+    assert payload <= reader.stats.bytes_read - reader.stats.index_bytes_read <= payload + FRAMING_GAP * 4 * len(spec)
