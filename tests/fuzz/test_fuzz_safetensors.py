@@ -32,7 +32,7 @@ from dcp_cloud.testing.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-CI_CASES = 6
+CI_CASES = 12
 BATCH = 25
 WORLD = 4
 
@@ -99,59 +99,14 @@ def _loaded(value: Any, full: Any, item: Item) -> list[str]:
 
 def _run(rank: int, world: int, batch: list[tuple[Case, dict[str, Any]]], root: str, bucket: str) -> list[str]:
     """In each of the 4 ranks: every case of ``batch`` in turn; returns this rank's failures."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from fuzz_cases import encode_case
-    from fuzz_state import FILLER, FINAL, build, place, tensor_value
     from fuzz_world import Ranks
-
-    from dcp_cloud import LocalWriter, S3Writer, SafetensorsReader, TransferConfig, export_safetensors
 
     ranks = Ranks(rank, world, 120.0)
     failures: list[str] = []
     for number, (case, export) in enumerate(batch):
         where = f"{root}/case-{number}" if case.target == "local" else f"s3://{bucket}/case-{number}"
-        ck, out = f"{where}/ck", f"{where}/hf"
-        problems: list[str] = []
-        if case.target == "local":
-            os.makedirs(where, exist_ok=True)
-        try:
-            if rank < case.w1:
-                state = build(case, "save", FINAL, ranks)
-                writer = LocalWriter(ck) if case.target == "local" else S3Writer(ck)
-                dcp.save(state, storage_writer=writer, process_group=ranks.groups[case.w1])
-            dist.barrier()
-            dtype = getattr(torch, export["dtype"]) if export["dtype"] else None
-            transfer = TransferConfig(part_size=export["part_size"], max_inflight_parts=export["max_inflight_parts"])
-            if rank < export["ranks"]:
-                export_safetensors(
-                    ck,
-                    out,
-                    prefix="m.",
-                    dtype=dtype,
-                    max_file_size=export["max_file_size"],
-                    dcp_sharding_info=export["dcp_sharding_info"],
-                    transfer=transfer,
-                    process_group=ranks.groups[export["ranks"]],
-                )
-            dist.barrier()
-            if rank < case.w2:
-                tensors = [item for item in case.items if item.kind == "tensor"]
-                state = {"m": {}}
-                for item in tensors:
-                    filler = tensor_value(item, FILLER)
-                    if dtype is not None and filler.is_floating_point():
-                        filler = filler.to(dtype)
-                    state["m"][item.path[1]] = place(filler, item.load, ranks, case.w2)
-                reader = SafetensorsReader(out, prefix="m.", process_group=ranks.groups[case.w2])
-                dcp.load(state, storage_reader=reader, process_group=ranks.groups[case.w2])
-                for item in tensors:
-                    problems += _loaded(state["m"][item.path[1]], _expected(item, export["dtype"]), item)
-        except Exception as exc:  # noqa: BLE001 - reported with the case
-            problems.append(f"{type(exc).__name__}: {exc}")
-        # every rank reaches here for every case (a failed rank still takes part in the barrier)
-        dist.barrier()
+        problems = _one_case(rank, ranks, case, export, where)
         if problems:
             failures.append(
                 f"case {number} on rank {rank}: {problems[:5]}\n{case.describe()}\nexport={export}\n"
@@ -160,6 +115,74 @@ def _run(rank: int, world: int, batch: list[tuple[Case, dict[str, Any]]], root: 
         if rank == 0 and case.target == "local":
             shutil.rmtree(where, ignore_errors=True)
     return failures
+
+
+def _one_case(rank: int, ranks: Any, case: Case, export: dict[str, Any], where: str) -> list[str]:
+    """One case on this rank (every rank of the world runs it): save on ``w1`` ranks, export on
+    ``export["ranks"]``, load on ``w2``, compare; returns what went wrong here."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from fuzz_state import FILLER, FINAL, build, place, tensor_value
+
+    from dcp_cloud import LocalWriter, S3Writer, SafetensorsReader, TransferConfig, export_safetensors
+
+    ck, out = f"{where}/ck", f"{where}/hf"
+    if case.target == "local":
+        os.makedirs(where, exist_ok=True)
+    dtype = getattr(torch, export["dtype"]) if export["dtype"] else None
+    problems: list[str] = []
+    loaded: dict[str, Any] = {}
+    tensors = [item for item in case.items if item.kind == "tensor"]
+
+    def save() -> None:
+        state = build(case, "save", FINAL, ranks)
+        writer = LocalWriter(ck) if case.target == "local" else S3Writer(ck)
+        dcp.save(state, storage_writer=writer, process_group=ranks.groups[case.w1])
+
+    def export_files() -> None:
+        # S3 stores take parts of 5 MiB at least
+        part = export["part_size"] if case.target == "local" else max(export["part_size"], 5 * 1024 * 1024)
+        transfer = TransferConfig(part_size=part, max_inflight_parts=export["max_inflight_parts"])
+        export_safetensors(
+            ck,
+            out,
+            prefix="m.",
+            dtype=dtype,
+            max_file_size=export["max_file_size"],
+            dcp_sharding_info=export["dcp_sharding_info"],
+            transfer=transfer,
+            process_group=ranks.groups[export["ranks"]],
+        )
+
+    def load() -> None:
+        state: dict[str, Any] = {"m": {}}
+        for item in tensors:
+            filler = tensor_value(item, FILLER)
+            if dtype is not None and filler.is_floating_point():
+                filler = filler.to(dtype)
+            state["m"][item.path[1]] = place(filler, item.load, ranks, case.w2)
+        reader = SafetensorsReader(out, prefix="m.", process_group=ranks.groups[case.w2])
+        dcp.load(state, storage_reader=reader, process_group=ranks.groups[case.w2])
+        loaded.update(state["m"])
+
+    def compare() -> None:
+        for item in tensors:
+            problems.extend(_loaded(loaded[item.path[1]], _expected(item, export["dtype"]), item))
+
+    # Each phase runs on the ranks it names; then every rank learns whether one failed, and all skip the rest
+    # of the case together (a rank alone in a later collective would wait for the others forever).
+    for phase, ranks_in in ((save, case.w1), (export_files, export["ranks"]), (load, case.w2), (compare, case.w2)):
+        if rank < ranks_in:
+            try:
+                phase()
+            except Exception as exc:  # noqa: BLE001 - reported with the case
+                problems.append(f"{phase.__name__}: {type(exc).__name__}: {exc}")
+        flag = torch.tensor([1 if problems else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            break
+    return problems
 
 
 def _tier(config: pytest.Config) -> tuple[int, int | None]:
@@ -175,39 +198,41 @@ def test_fuzz_export_then_load(request: pytest.FixtureRequest, moto_server: Any,
     from dcp_cloud.testing.s3_fixtures import moto_client
 
     count, seed = _tier(request.config)
-    batches = [min(BATCH, count - start) for start in range(0, count, BATCH)]
     env = moto_env(moto_server)
     env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, LOCAL_WORLD_SIZE="4")
-    client = moto_client(moto_server)
-    failures: list[str] = []
-    ran = [0]
+    drawn: list[tuple[Case, dict[str, Any]]] = []
 
+    # Hypothesis draws the cases (varied: its first examples are the simplest, later ones random); they
+    # then run in batches on one world of spawned ranks each (a world per case would cost 5-10 s apiece).
     @settings(
-        max_examples=len(batches),
+        max_examples=count,
         deadline=None,
         derandomize=seed is None,
         database=None,
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(st.data())
-    def batch_of_cases(data: st.DataObject) -> None:
-        size = batches[min(ran[0], len(batches) - 1)]
-        batch = [data.draw(st_cases()) for _ in range(size)]
-        bucket = f"fuzz-st-{ran[0]}-{os.getpid()}"
-        client.create_bucket(Bucket=bucket)
-        ran[0] += 1
-        root = tmp_path / f"batch-{ran[0]}"
-        root.mkdir()
-        for failed in run_ranks(WORLD, _run, batch, str(root), bucket, env=env, timeout=600 + 60 * size):
-            failures.extend(failed)
+    @given(st_cases())
+    def draw(case: tuple[Case, dict[str, Any]]) -> None:
+        drawn.append(case)
 
+    if seed is not None:
+        hypothesis_seed(seed)(draw)()
+    else:
+        draw()
+    client = moto_client(moto_server)
+    failures: list[str] = []
     try:
-        if seed is not None:
-            hypothesis_seed(seed)(batch_of_cases)()
-        else:
-            batch_of_cases()
+        for start in range(0, len(drawn), BATCH):
+            batch = drawn[start : start + BATCH]
+            bucket = f"fuzz-st-{start}-{os.getpid()}"
+            client.create_bucket(Bucket=bucket)
+            root = tmp_path / f"batch-{start}"
+            root.mkdir()
+            timeout = 600 + 60 * len(batch)
+            for failed in run_ranks(WORLD, _run, batch, str(root), bucket, env=env, timeout=timeout):
+                failures.extend(failed)
     finally:
         client.close()
-    assert ran[0] == len(batches)
+    assert len(drawn) == count
     assert not failures, f"{len(failures)} failure(s) (seed {seed}):\n" + "\n\n".join(failures[:6])
