@@ -416,7 +416,7 @@ def _report(runs: list[dict[str, Any]], args: argparse.Namespace, env: dict[str,
     for (op, who), rs in groups.items():
         good = [r for r in rs if "error" not in r]
         if not good:
-            rows.append([op, who, "failed: " + rs[0]["error"][:80], "", "", "", "", ""])
+            rows.append([op, who, "failed: " + rs[0]["error"].replace("|", "/")[-80:], "", "", "", "", ""])
             continue
         sec = statistics.median(r["seconds"] for r in good)
         mibs = statistics.median(r["bytes"] / C.MiB / r["seconds"] for r in good)
