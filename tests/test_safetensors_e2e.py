@@ -33,13 +33,13 @@ def _full() -> dict[str, torch.Tensor]:
     """The global values of every tensor of the saved state (the same in every process)."""
     g = torch.Generator().manual_seed(46)
     return {
-        "model.w_rows": torch.randn(37, 24, generator=g),  # Shard(0), uneven over 4 ranks
+        "model.w_rows": torch.randn(97, 24, generator=g),  # Shard(0), uneven over 4 ranks; loaded as Shard(1)
         "model.w_cols": torch.randn(20, 50, generator=g).bfloat16(),  # Shard(1)
         "model.bias": torch.randn(24, generator=g),  # replicated
         "model.ids": torch.arange(7, dtype=torch.int64) * 3,  # a plain tensor on every rank
         "model.scale": torch.tensor(1.5, dtype=torch.float64),  # 0-d
         "model.legacy": torch.randn(6, 16, generator=g),  # a ShardedTensor cut along dimension 1
-        "optim.m": torch.randn(37, 24, generator=g),
+        "optim.m": torch.randn(97, 24, generator=g),
     }
 
 

@@ -21,6 +21,7 @@ finished, not a model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
@@ -109,6 +111,23 @@ class SafetensorsReader(CloudReader):
             share_reads=share_reads,
             staging=staging,
         )
+
+    # -- reads ---------------------------------------------------------------
+    def _start_object(
+        self, run: Any, key: str, url: str, records: list[tuple[Any, ReadItem]], footer: Any, rider: Any = None
+    ) -> None:
+        """Start the reads of one file: a box made of many short rows read through anyway (a column shard of a
+        row-major tensor) is read whole and copied out in one strided copy; the rest as CloudReader reads."""
+        budget = self.transfer.memory_budget // 4
+        rest = []
+        for info, req in records:
+            found = self._chunks.lookup(req.storage_index) if req.type != LoadItemType.BYTE_IO else None
+            if found is not None and info.length <= budget and _short_rows(found, req, self.transfer.coalesce_gap):
+                run.start_whole(req, key, info, None, f"{req.storage_index.fqn!r} from {url}", raw=found)
+            else:
+                rest.append((info, req))
+        if rest:
+            super()._start_object(run, key, url, rest, footer, rider)
 
     # -- what CloudReader reads as its metadata ------------------------------
     def _metadata_key(self) -> str:
@@ -245,6 +264,27 @@ class SafetensorsReader(CloudReader):
         meta = Metadata(state_dict_metadata=dict(md), storage_data=storage, storage_meta=StorageMeta())
         meta.version = DCP_VERSION
         return meta
+
+
+#: A box of at least this many rows of at most :data:`SHORT_ROW` bytes is read whole (see ``_short_rows``).
+MANY_ROWS = 64
+SHORT_ROW = 16 * 1024
+
+
+def _short_rows(chunk: tuple[tuple[int, ...], torch.dtype], req: ReadItem, gap: int) -> bool:
+    """Whether ``req``'s box of a stored chunk (shape, dtype) is cut along one dimension only, into
+    :data:`MANY_ROWS` runs or more, each at most :data:`SHORT_ROW` bytes, with gaps of at most ``gap`` between
+    them: a ranged load reads such a box through from about the item's first byte to its last anyway, and
+    scattering it run by run costs a buffer per run."""
+    shape, dtype = chunk
+    lengths = tuple(req.lengths)
+    cut = [d for d in range(len(shape)) if lengths[d] != shape[d]]
+    if len(cut) != 1:  # whole, or cut along several dims (a band of the rows only is worth its bytes)
+        return False
+    k = cut[0]
+    inner = math.prod(shape[k + 1 :]) * dtype.itemsize
+    run, stride = lengths[k] * inner, shape[k] * inner
+    return math.prod(lengths[:k]) >= MANY_ROWS and run <= SHORT_ROW and stride - run <= gap
 
 
 def _sharding_info(header: Header, url: str) -> dict[str, Any] | None:
