@@ -54,6 +54,7 @@ from .maintenance import (
 )
 from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
+from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.clients import close_clients
 from .transfer.stats import TransferStats
 
@@ -77,6 +78,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpCloudError",
     "DeviceCopyError",
+    "ExportReport",
     "GCReport",
     "GCSReader",
     "GCSWriter",
@@ -93,6 +95,7 @@ __all__ = [
     "RetryConfig",
     "S3Reader",
     "S3Writer",
+    "SafetensorsReader",
     "ScaleLoadPlanner",
     "StagingConfig",
     "StoreError",
@@ -105,6 +108,7 @@ __all__ = [
     "VerifyReport",
     "close_clients",
     "copy_checkpoint",
+    "export_safetensors",
     "free_staging_pool",
     "gc",
     "inspect_checkpoint",

@@ -202,6 +202,43 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..safetensors import DEFAULT_MAX_FILE_SIZE, export_safetensors
+
+    extra = {}
+    for path in args.extra_file:
+        try:
+            extra[Path(path).name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--extra-file {path}: {exc.strerror or exc}") from None
+    report = export_safetensors(
+        args.source,
+        args.destination,
+        prefix=args.prefix,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        max_file_size=args.max_file_size or DEFAULT_MAX_FILE_SIZE,
+        dcp_sharding_info=args.dcp_sharding_info,
+        extra_files=extra,
+        overwrite=args.overwrite,
+        progress=_bars(args),
+    )
+    if args.json:
+        _json(report)
+        return 0
+    print(
+        f"exported {report.source} -> {report.destination}: {report.tensors} tensor(s) in {len(report.files)} "
+        f"file(s), {size(report.data_bytes)} ({report.seconds:.2f}s)"
+        + (", replaced the model there" if report.overwrote else "")
+    )
+    if report.skipped:
+        print(f"{report.skipped} item(s) of the checkpoint left out (not tensors, or not selected)")
+    return 0
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     from ..maintenance import remove_checkpoint
 
@@ -245,6 +282,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "verify": cmd_verify,
     "cp": cmd_cp,
+    "export": cmd_export,
     "rm": cmd_rm,
     "gc": cmd_gc,
     "demo": cmd_demo,

@@ -35,6 +35,7 @@ examples:
   dcp-cloud inspect s3://my-bucket/run-7/step-1000 --json
   dcp-cloud verify s3://my-bucket/run-7/step-1000
   dcp-cloud cp s3://my-bucket/run-7/step-1000 gs://other/run-7/step-1000
+  dcp-cloud export s3://my-bucket/run-7/step-1000 s3://my-bucket/hf/run-7 --prefix model. --dtype bf16
   dcp-cloud rm s3://my-bucket/run-7/step-500
   dcp-cloud gc s3://my-bucket/run-7 --older-than 86400 --dry-run
   dcp-cloud demo --save-ranks 4 --load-ranks 3
@@ -81,6 +82,40 @@ def _size_mb(text: str) -> float:
     if not 0 < value <= 4096:
         raise argparse.ArgumentTypeError(f"expected a size in MB between 0 and 4096, got {text!r}")
     return value
+
+
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def _dtype(text: str) -> str:
+    value = _DTYPES.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(sorted(set(_DTYPES)))}, got {text!r}")
+    return value
+
+
+def _file_size(text: str) -> int:
+    """A size such as ``5GB``, ``500MB``, ``2GiB`` or a number of bytes (as Hugging Face's max_shard_size)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    head = text.strip().upper().rstrip()
+    number = head.rstrip("KMGIB")
+    unit = head[len(number) :].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, got {text!r}") from None
+    if not 1 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +192,43 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="copy an incremental checkpoint with the base objects it references, into a self-contained one",
     )
+
+    export = commands.add_parser(
+        "export",
+        parents=[output],
+        help="write a committed checkpoint as Hugging Face safetensors files",
+        description="Write the tensors of the committed checkpoint at SRC as Hugging Face safetensors files under "
+        "DST (model-00001-of-0000N.safetensors and model.safetensors.index.json; s3://, gs:// or file:// at either "
+        "end, endpoints and credentials from the environment). The bytes stream from the stored chunks into "
+        "multipart uploads in bounded memory; the index is written last and create-only, so DST is never seen as "
+        "a complete model before every file is in place. A model already at DST is refused unless --overwrite.",
+    )
+    export.add_argument("source", metavar="SRC", help="committed checkpoint to export")
+    export.add_argument("destination", metavar="DST", help="directory of the safetensors files")
+    export.add_argument(
+        "--prefix", metavar="P", help="only the tensors whose name starts with P, with P stripped (e.g. model.)"
+    )
+    export.add_argument("--dtype", type=_dtype, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
+    export.add_argument(
+        "--max-file-size",
+        type=_file_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of tensor data per file, e.g. 5GB (the default), 500MB",
+    )
+    export.add_argument(
+        "--dcp-sharding-info",
+        action="store_true",
+        help="record torch's DCP_SHARDING_INFO in every header (for torch's HuggingFaceStorageReader)",
+    )
+    export.add_argument(
+        "--extra-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a local file to upload beside the model, under its own name (e.g. config.json); repeatable",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace a model at DST")
 
     rm = commands.add_parser(
         "rm",

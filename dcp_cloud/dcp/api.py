@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import ConfigError
 from ..store.protocol import PartLimits
-from .backend import GCSBackend, LocalBackend, S3Backend
+from .backend import Backend, GCSBackend, LocalBackend, S3Backend
 from .reader import CloudReader
 from .staging import StagingConfig
 from .writer import CloudWriter
@@ -28,6 +29,33 @@ def _gcs_backend(project: str | None, endpoint: str | None, credentials: Any, co
     if config is not None and (project is not None or endpoint is not None):
         raise ConfigError("pass project/endpoint either as keywords or inside config=GCSConfig(...), not both")
     return GCSBackend(config or GCSConfig(project=project, endpoint=endpoint), credentials)
+
+
+#: The store options each URI scheme takes, as keywords (the maintenance functions', the safetensors
+#: functions'): ``endpoint_url``, ``region`` for S3; ``project``, ``endpoint``, ``credentials`` for GCS.
+STORE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "s3": ("endpoint_url", "region", "config", "part_limits"),
+    "gs": ("project", "endpoint", "credentials", "config"),
+    "file": (),
+}
+
+
+def backend_for(scheme: str, options: Mapping[str, Any]) -> Backend:
+    """The backend of a ``scheme://`` URI with the store ``options`` (see :data:`STORE_OPTIONS`);
+    ConfigError for an option the scheme does not take."""
+    allowed = STORE_OPTIONS[scheme]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for {scheme}:// URIs; accepted: {list(allowed) or 'none'}")
+    if scheme == "s3":
+        return _s3_backend(
+            options.get("endpoint_url"), options.get("region"), options.get("config"), options.get("part_limits")
+        )
+    if scheme == "gs":
+        return _gcs_backend(
+            options.get("project"), options.get("endpoint"), options.get("credentials"), options.get("config")
+        )
+    return LocalBackend()
 
 
 class S3Writer(CloudWriter):

@@ -79,13 +79,26 @@ def bounded_pieces(
 
 
 def commit_whole(
-    planner: LoadPlanner, req: ReadItem, info: Any, buf: bytearray, transforms: Sequence[str] | None, what: str
+    planner: LoadPlanner,
+    req: ReadItem,
+    info: Any,
+    buf: bytearray,
+    transforms: Sequence[str] | None,
+    what: str,
+    raw: tuple[Sequence[int], torch.dtype] | None = None,
 ) -> None:
     """Hand a whole stored item (``buf``, as stored) to the planner: bytes items as they are, tensors
-    unpickled and narrowed to the requested region."""
+    unpickled (or, ``raw``, its bytes as a tensor of that shape and dtype) and narrowed to the requested
+    region."""
     data = decode(transforms, buf, what) if transforms else buf
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(data))
+        return
+    if raw is not None:
+        shape, dtype = raw
+        saved = torch.frombuffer(data, dtype=dtype).view(tuple(shape)) if len(data) else torch.empty(shape, dtype=dtype)
+        target = planner.resolve_tensor(req).detach()
+        commit(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)
         return
     try:
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

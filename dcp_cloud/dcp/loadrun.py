@@ -212,9 +212,12 @@ class LoadRun:
         what: str,
         *,
         transforms: Sequence[str] | None = None,
+        raw: tuple[tuple[int, ...], torch.dtype] | None = None,
     ) -> None:
         """Read a whole stored item: bytes items, tensors written by stock torch, compressed items
-        (``transforms``: their descriptors, undone after the stored bytes are checked)."""
+        (``transforms``: their descriptors, undone after the stored bytes are checked), and raw tensor bytes
+        of shape and dtype ``raw`` whose wanted box is many short rows (copied out in one strided copy
+        rather than scattered row by row)."""
         lease = self.lease(info.length)
         buf = bytearray(info.length)
         if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
@@ -225,7 +228,7 @@ class LoadRun:
         planner = self.planner
 
         def finish() -> None:
-            commit_whole(planner, req, info, buf, transforms, what)
+            commit_whole(planner, req, info, buf, transforms, what, raw)
 
         self.pending.append(_Pending(futures, finish, lease, what))
 
