@@ -16,7 +16,7 @@ import dcp_cloud
 #: leading underscore defined or re-exported at module level in the modules that became packages.
 PUBLIC: dict[str, tuple[str, ...]] = {
     "dcp_cloud": (
-        "AccessDeniedError", "BalancedSavePlanner", "BucketNotFoundError", "CheckpointExistsError",
+        "AccessDeniedError", "AzureReader", "AzureWriter", "BalancedSavePlanner", "BucketNotFoundError", "CheckpointExistsError",
         "CheckpointInfo", "CheckpointNotFoundError", "ChecksumMismatchError", "CloudReader", "CloudWriter",
         "ConfigError", "CorruptCheckpointError", "DcpCloudError", "GCReport", "GCSReader", "GCSWriter",
         "InvalidURIError", "LocalReader", "LocalWriter", "ObjectNotFoundError", "PreconditionFailedError",
@@ -26,6 +26,10 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "dcp_cloud.store.s3": ("MiB", "GiB", "S3_PART_LIMITS", "S3Config", "S3Store"),
     "dcp_cloud.store.gcs": ("MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSStore"),
+    "dcp_cloud.store.azure": (
+        "AZURE_PART_LIMITS", "MAX_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PUT_BLOB_SIZE", "AzureConfig", "AzureStore",
+        "check_container",
+    ),
     "dcp_cloud.testing.proxy": (
         "FAULT_KINDS", "FaultEvent", "FaultPlan", "FaultProxy", "ProxyProtocolError", "ProxyStats", "RequestInfo",
         "Shaping", "TLSFiles", "TrafficCount", "make_test_tls", "server_context",
@@ -36,7 +40,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     # The pytest plugin (entry point ``dcp_cloud``): its fixtures and constants.
     "dcp_cloud.testing.plugin": (
         "MOTO_MIN_PART_SIZE", "MOTO_PART_LIMITS", "moto_client", "moto_s3_client", "moto_server", "s3_bucket",
-        "s3_env", "s3_store", "gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store",
+        "s3_env", "s3_store", "gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store", "azurite_server", "azure_env",
+        "azure_container", "azure_store",
     ),
 }  # fmt: skip
 
@@ -44,6 +49,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
 USED_BY_TESTS: dict[str, tuple[str, ...]] = {
     "dcp_cloud.store.s3": ("_translate",),
     "dcp_cloud.store.gcs": ("_translate",),
+    "dcp_cloud.store.azure": ("_translate",),
 }
 
 

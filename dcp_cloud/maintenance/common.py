@@ -15,16 +15,17 @@ from ..dcp.layout import is_shard_path
 from ..errors import ConfigError, UnsupportedOperationError
 from ..store.protocol import ObjectInfo, ObjectStore, PendingUpload
 from ..store.retry import RetryingStore
-from ..uri import CheckpointURI, parse_uri
+from ..uri import CheckpointURI, parse_uri, split_azure_url
 
 log = logging.getLogger("dcp_cloud.maintenance")
 
-_SCHEMES = ("s3", "gs", "file")
+_SCHEMES = ("s3", "gs", "az", "file")
 _METADATA = ".metadata"
 _SHARD_RE = re.compile(r"^__\d+_[^/]*\.distcp$")
 _STORE_OPTIONS = {
     "s3": ("endpoint_url", "region", "config", "part_limits"),
     "gs": ("project", "endpoint", "credentials", "config"),
+    "az": ("account", "endpoint", "credential", "config"),
     "file": (),
 }
 
@@ -158,11 +159,22 @@ def _open(
     root: bool,
     store: ObjectStore | None = None,
 ) -> _Root:
-    from ..dcp.api import _gcs_backend, _s3_backend
+    from ..dcp.api import _azure_backend, _gcs_backend, _s3_backend
     from ..dcp.backend import LocalBackend
 
     if not isinstance(uri, str):
         uri = str(uri)
+    azure_backend = None
+    if store is None and split_azure_url(uri) is not None:  # https://<account>.blob.core.windows.net/...
+        unknown = sorted(set(store_kwargs) - set(_STORE_OPTIONS["az"]))
+        if not unknown:
+            uri, azure_backend = _azure_backend(
+                uri,
+                store_kwargs.get("account"),
+                store_kwargs.get("endpoint"),
+                store_kwargs.get("credential"),
+                store_kwargs.get("config"),
+            )
     schemes = (store.scheme,) if store is not None else _SCHEMES
     parsed = _parse_root(uri, schemes) if root else parse_uri(uri, schemes)
     allowed = () if store is not None else _STORE_OPTIONS[parsed.scheme]
@@ -194,6 +206,14 @@ def _open(
             store_kwargs.get("credentials"),
             store_kwargs.get("config"),
         )
+    elif parsed.scheme == "az":
+        backend = azure_backend or _azure_backend(
+            None,
+            store_kwargs.get("account"),
+            store_kwargs.get("endpoint"),
+            store_kwargs.get("credential"),
+            store_kwargs.get("config"),
+        )[1]
     else:
         backend = LocalBackend()
     raw = backend.open_store(parsed.bucket, transfer, retry)
