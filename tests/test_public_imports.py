@@ -16,7 +16,8 @@ import dcp_cloud
 #: leading underscore defined or re-exported at module level in the modules that became packages.
 PUBLIC: dict[str, tuple[str, ...]] = {
     "dcp_cloud": (
-        "AccessDeniedError", "AzureReader", "AzureWriter", "BalancedSavePlanner", "BucketNotFoundError", "CheckpointExistsError",
+        "AccessDeniedError", "AzureReader", "AzureWriter", "BalancedSavePlanner", "BucketNotFoundError",
+        "CheckpointExistsError",
         "CheckpointInfo", "CheckpointNotFoundError", "ChecksumMismatchError", "CloudReader", "CloudWriter",
         "ConfigError", "CorruptCheckpointError", "DcpCloudError", "GCReport", "GCSReader", "GCSWriter",
         "InvalidURIError", "LocalReader", "LocalWriter", "ObjectNotFoundError", "PreconditionFailedError",
