@@ -207,13 +207,16 @@ def _open(
             store_kwargs.get("config"),
         )
     elif parsed.scheme == "az":
-        backend = azure_backend or _azure_backend(
-            None,
-            store_kwargs.get("account"),
-            store_kwargs.get("endpoint"),
-            store_kwargs.get("credential"),
-            store_kwargs.get("config"),
-        )[1]
+        backend = (
+            azure_backend
+            or _azure_backend(
+                None,
+                store_kwargs.get("account"),
+                store_kwargs.get("endpoint"),
+                store_kwargs.get("credential"),
+                store_kwargs.get("config"),
+            )[1]
+        )
     else:
         backend = LocalBackend()
     raw = backend.open_store(parsed.bucket, transfer, retry)
