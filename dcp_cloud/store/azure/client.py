@@ -154,8 +154,12 @@ class AzureBlobClient:
             except ElementTree.ParseError:
                 found = None
             code = found or None
-        expiry = sas_expiry(self._auth.token) if isinstance(self._auth, Sas) else None
-        return AzureHTTPError(response.status, code, response.headers.get("x-ms-request-id"), sas_expiry=expiry)
+        auth = self._auth
+        kind = "key" if isinstance(auth, SharedKey) else "sas" if isinstance(auth, Sas) else "token"
+        expiry = sas_expiry(auth.token) if isinstance(auth, Sas) else None
+        return AzureHTTPError(
+            response.status, code, response.headers.get("x-ms-request-id"), auth=kind, sas_expiry=expiry
+        )
 
 
 def parse_xml(data: bytes, what: str) -> ElementTree.Element:

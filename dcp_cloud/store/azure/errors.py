@@ -30,9 +30,19 @@ from ...errors import (
 class AzureHTTPError(Exception):
     """An answer of the Blob service outside 2xx (raised by the client, translated by :func:`_translate`)."""
 
-    def __init__(self, status: int, code: str | None, request_id: str | None, *, sas_expiry: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        code: str | None,
+        request_id: str | None,
+        *,
+        auth: str | None = None,
+        sas_expiry: float | None = None,
+    ) -> None:
         super().__init__(f"HTTP {status} {code or ''}".strip())
         self.status = status
+        #: What authorized the request: ``"key"`` (Shared Key), ``"sas"`` or ``"token"`` (Entra ID).
+        self.auth = auth
         #: Azure's error code (``BlobNotFound``, ``ServerBusy``...), if the answer had one.
         self.code = code
         #: ``x-ms-request-id``: what Azure support asks for.
@@ -104,11 +114,17 @@ def _access(where: str, exc: AzureHTTPError) -> AccessDeniedError:
             f"access to {where} denied ({detail}): the SAS token in use expired at {stamp}; "
             "issue a new one (AZURE_STORAGE_SAS_TOKEN or the connection string's SharedAccessSignature)"
         )
-    if exc.code in ("AuthenticationFailed", "InvalidAuthenticationInfo"):
+    if exc.auth == "key":
         return AccessDeniedError(
-            f"access to {where} denied ({detail}): the request's signature or token was refused. Check the "
-            "account key (AZURE_STORAGE_KEY / the connection string; a rotated key invalidates the old one), "
-            "that a SAS token is complete and not expired, and that this machine's clock is right"
+            f"access to {where} denied ({detail}): the account key was refused. Check AZURE_STORAGE_KEY or the "
+            "connection string's AccountKey (a rotated key invalidates the old one) and this machine's clock; if "
+            "the key is right, the account may disallow Shared Key access or its network rules refuse this client"
+        )
+    if exc.auth == "sas":
+        return AccessDeniedError(
+            f"access to {where} denied ({detail}): the SAS token was refused. Check that it is complete, for this "
+            "account and container, within its start and expiry times, and grants read, write, list and delete "
+            "(rwld) permissions"
         )
     return AccessDeniedError(
         f"access to {where} denied ({detail}): the identity in use lacks a permission on the container; "
