@@ -133,3 +133,42 @@ def test_open_writer_uploads_through_the_engine() -> None:
         writer.write(b"hello world")
         writer.commit()
     assert store.get("obj") == b"hello world"
+
+
+#: The modules outside ``store/azure/`` and ``testing/`` that may know Azure exists, and why (the store boundary:
+#: a backend is one folder plus its rows in these tables).
+AZURE_ALLOWED = {
+    "dcp_cloud/__init__.py": "exports AzureWriter / AzureReader",
+    "dcp_cloud/dcp/api.py": "the public constructors, as for every backend",
+    "dcp_cloud/dcp/backend.py": "AzureBackend, the picklable recipe that opens the store in each process",
+    "dcp_cloud/uri.py": "the URI table: az:// and Azure blob URLs",
+    "dcp_cloud/maintenance/common.py": "the az row of the maintenance functions' scheme table",
+    "dcp_cloud/maintenance/__init__.py": "docstring: the az:// store options",
+    "dcp_cloud/maintenance/copying.py": "docstring: az:// among cp's ends",
+    "dcp_cloud/cli/commands.py": "the CLI's URI table (--account, --endpoint for az://)",
+    "dcp_cloud/cli/main.py": "the CLI's help texts and options",
+    "dcp_cloud/cli/demo.py": "dcp-cloud demo --backend azure",
+    "dcp_cloud/store/clients.py": "AZURE_* variables decide how a shared client is built",
+}
+
+
+def test_azure_stays_behind_the_store_boundary() -> None:
+    """Nothing outside store/azure/, the fixtures and the tables above mentions Azure; store/azure/ imports
+    nothing above store/."""
+    root = Path(dcp_cloud.__file__).parent
+    mentions = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith(("dcp_cloud/store/azure/", "dcp_cloud/testing/")):
+            continue
+        if "azure" in path.read_text().lower():
+            mentions.add(rel)
+    assert mentions == set(AZURE_ALLOWED), sorted(mentions ^ set(AZURE_ALLOWED))
+    for path in (root / "store" / "azure").glob("*.py"):
+        imported = _imported_modules(path, "dcp_cloud.store.azure")
+        above = sorted(
+            m
+            for m in imported
+            if m.startswith("dcp_cloud.") and not m.startswith(("dcp_cloud.store", "dcp_cloud.errors"))
+        )
+        assert not above, f"{path.name} imports {above}"
