@@ -20,7 +20,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ import urllib.request
 import weakref
 
 from ..store.azure.auth import DEV_ACCOUNT, DEV_KEY
+from . import _npm
 from ._procs import _death_signal_setter, _free_port, stop_processes
 
 VERSION = "3.37.0"
@@ -48,47 +48,22 @@ def _stop_all() -> None:
             server.stop()
 
 
-def cache_dir() -> str:
-    return os.environ.get("DCP_CLOUD_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dcp-cloud-bench")
-
-
-def _prefix() -> str:
-    return os.path.join(cache_dir(), f"azurite-{VERSION}")
+_ENTRY = ("dist", "src", "blob", "main.js")
 
 
 def installed_script() -> str | None:
     """Path of an installed ``azurite-blob`` entry script of :data:`VERSION`, or None."""
-    script = os.path.join(_prefix(), "node_modules", "azurite", "dist", "src", "blob", "main.js")
-    return script if os.path.exists(script) else None
+    return _npm.installed("azurite", VERSION, _ENTRY)
 
 
 def missing_reason() -> str | None:
     """Why an :class:`Azurite` cannot start here (None when it can)."""
-    if shutil.which("node") is None:
-        return "Azurite needs node on PATH (https://nodejs.org)"
-    if installed_script() is None:
-        return f"Azurite {VERSION} is not installed; run `python -m dcp_cloud.testing.azurite` (needs npm)"
-    return None
+    return _npm.missing_reason("azurite", VERSION, _ENTRY, "dcp_cloud.testing.azurite")
 
 
 def install() -> str:
     """Path of Azurite's blob entry script, installing ``azurite@VERSION`` with npm into the cache if missing."""
-    script = installed_script()
-    if script is not None:
-        return script
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        raise RuntimeError("Azurite needs node and npm on PATH (https://nodejs.org)")
-    prefix = _prefix()
-    os.makedirs(prefix, exist_ok=True)
-    print(f"installing azurite@{VERSION} into {prefix} ...", file=sys.stderr, flush=True)
-    subprocess.run(
-        ["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", prefix, f"azurite@{VERSION}"],
-        check=True,
-    )
-    script = installed_script()
-    if script is None:
-        raise RuntimeError(f"npm installed azurite@{VERSION} but its blob entry script is not under {prefix}")
-    return script
+    return _npm.install("azurite", VERSION, _ENTRY)
 
 
 def connection_string(endpoint: str) -> str:
