@@ -1,9 +1,9 @@
 """Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
 
 Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory); ``s3-rgw``
-(Ceph's RADOS Gateway), ``gcs`` (fake-gcs-server) and ``azure`` (Azurite) in runs of their own. Another S3 server joins as
-one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its credentials in ``env``,
-its smallest multipart part); the fuzzer then draws it like the others.
+(Ceph's RADOS Gateway), ``gcs`` (fake-gcs-server) and ``azure`` (Azurite) in runs of their own. Another
+S3 server joins as one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its
+credentials in ``env``, its smallest multipart part); the fuzzer then draws it like the others.
 """
 
 from __future__ import annotations
