@@ -1,4 +1,4 @@
-"""dcp_cloud: Amazon S3 and Google Cloud Storage homes for PyTorch Distributed Checkpoint.
+"""dcp_cloud: Amazon S3, Google Cloud Storage and Azure Blob Storage homes for PyTorch Distributed Checkpoint.
 
 >>> import torch.distributed.checkpoint as dcp
 >>> from dcp_cloud import S3Writer, S3Reader
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from .config import RetryConfig, TransferConfig
-from .dcp.api import GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
+from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
 from .dcp.reader import CloudReader
 from .dcp.staging import StagingConfig, free_staging_pool
 from .dcp.typed import load, save, typed_errors
@@ -64,6 +64,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "AzureReader",
+    "AzureWriter",
     "BalancedSavePlanner",
     "BucketNotFoundError",
     "CheckpointExistsError",

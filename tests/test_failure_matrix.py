@@ -2,7 +2,9 @@
 
 In each case one rank (the victim) reaches the store through a fault proxy
 that, from one phase of a save or load on, either never answers (accepts the
-request and holds it: a dead endpoint) or answers every request with 500. The
+request and holds it: a dead endpoint) or answers every request with 500 (on
+Azure also with 503 ServerBusy, its throttling answer, which the retry loop
+treats as throttling and the adaptive rate limit follows). The
 other ranks talk to the store directly. Phases: the writer's and reader's
 constructors, the metadata fetch (and its broadcast), the incremental save's
 planning, writes, the commit, a rank's own reads, and the shared-read rounds.
@@ -43,12 +45,12 @@ TIMEOUT = 600.0
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """What a fault filter knows of a request, the same for S3 and GCS."""
+    """What a fault filter knows of a request, the same for S3, GCS and Azure."""
 
     method: str
     #: "/" + the object the request is about ("/" where the request line does not say).
     name: str
-    #: Whether it reads an object's bytes (S3 GET; GCS ``alt=media``), not its metadata.
+    #: Whether it reads an object's bytes (S3 GET; GCS ``alt=media``; Azure Get Blob), not its metadata.
     data: bool
     #: A GCS ``uploadType=multipart`` upload (the name is in the body): the create-only commit.
     multipart: bool
@@ -61,6 +63,10 @@ def _seen(request: RequestInfo) -> Seen:
         name = path.split("/o/", 1)[1] if "/o/" in path else query.get("name", [""])[0]
         data = request.method == "GET" and query.get("alt") == ["media"]
         return Seen(request.method, "/" + name, data, query.get("uploadType") == ["multipart"])
+    if path.startswith(f"/{AZURITE_ACCOUNT}/"):  # Azure, path style: /account/container/blob
+        parts = path.split("/", 3)
+        blob = "/" + (parts[3] if len(parts) > 3 else "")
+        return Seen(request.method, blob, request.method == "GET" and "comp" not in query, False)
     parts = path.split("/", 2)  # S3, path style: /bucket/key
     return Seen(request.method, "/" + (parts[2] if len(parts) > 2 else ""), request.method == "GET", False)
 
@@ -114,6 +120,10 @@ CASES = [
     Case("load-shared-reads", "load", 3, _shard_read, (), True),
 ]
 FAULTS = ("dead", "500")
+#: Azure's throttling answer joins its matrix: 503 ServerBusy, retried as throttling under the adaptive rate.
+AZURE_FAULTS = (*FAULTS, "503")
+#: The account of Azurite's path-style URLs.
+AZURITE_ACCOUNT = "devstoreaccount1"
 
 
 def _plan(case: Case, fault: str) -> FaultPlan:
@@ -122,6 +132,8 @@ def _plan(case: Case, fault: str) -> FaultPlan:
 
     if fault == "dead":  # accept, read the request, answer nothing for far longer than any timeout here
         return FaultPlan(stall=1.0, stall_seconds=3600.0, phase="request", when=when)
+    if fault == "503":
+        return FaultPlan(slowdown=1.0, when=when)
     return FaultPlan(error_500=1.0, when=when)
 
 
@@ -155,13 +167,17 @@ def _rank_main(rank: int, world: int, kind: str, root: str, endpoints: list[str]
             ("r", "s3"): dcp_cloud.S3Reader,
             ("w", "gcs"): dcp_cloud.GCSWriter,
             ("r", "gcs"): dcp_cloud.GCSReader,
+            ("w", "azure"): dcp_cloud.AzureWriter,
+            ("r", "azure"): dcp_cloud.AzureReader,
         }[(cls_kind, kind)]
+        if kind == "azure":
+            endpoint = f"{endpoint}/{AZURITE_ACCOUNT}"  # the proxies and the clean path lead to the server's root
         where = {"endpoint_url": endpoint} if kind == "s3" else {"endpoint": endpoint}
         return cls(uri, retry=RETRY, **where, **kw)
 
     dcp_cloud.save(_state(rank, 0), storage_writer=make("w", f"{root}/src", clean))
     out = []
-    for i, (case, fault) in enumerate(_cases()):
+    for i, (case, fault) in enumerate(_cases(kind)):
         endpoint = endpoints[i] if rank == case.victim else clean
         options = dict(case.options)
         if "base" in options:
@@ -192,16 +208,16 @@ def _typed(exc: BaseException) -> bool:
     return isinstance(exc, DcpCloudError)
 
 
-def _cases() -> Iterator[tuple[Case, str]]:
+def _cases(kind: str) -> Iterator[tuple[Case, str]]:
     for case in CASES:
-        for fault in FAULTS:
+        for fault in AZURE_FAULTS if kind == "azure" else FAULTS:
             yield case, fault
 
 
 # ---------------------------------------------------------------------------------------------- test
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "azure"])
 def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[str, str], Callable[[str], bool]]]:
     """``(kind, upstream endpoint, root URI, child env, committed(name))`` of a fresh bucket."""
     if request.param == "s3":
@@ -215,6 +231,17 @@ def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[
             return bool(listed.get("Contents"))
 
         yield "s3", server.endpoint_url, f"s3://{bucket}", env, committed
+        return
+    if request.param == "azure":
+        azurite = request.getfixturevalue("azurite_server")
+        env = dict(request.getfixturevalue("azure_env"))
+        container = request.getfixturevalue("azure_container")
+        blobs = azurite.service().get_container_client(container)
+
+        def committed_azure(name: str) -> bool:
+            return any(True for _ in blobs.list_blobs(name_starts_with=f"{name}/.metadata"))
+
+        yield "azure", azurite.endpoint.rsplit("/", 1)[0], f"az://{container}", env, committed_azure
         return
     emulator = request.getfixturevalue("gcs_emulator")
     env = dict(request.getfixturevalue("gcs_env"))
@@ -239,14 +266,14 @@ def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[
 
 def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
     kind, upstream, root, env, committed = store
-    proxies = [FaultProxy(upstream, _plan(case, fault), flavor=kind).start() for case, fault in _cases()]
+    proxies = [FaultProxy(upstream, _plan(case, fault), flavor=kind).start() for case, fault in _cases(kind)]
     try:
         results = run_ranks(WORLD, _rank_main, kind, root, [p.url for p in proxies], upstream, env=env, timeout=TIMEOUT)
     finally:
         for proxy in proxies:
             proxy.stop()
     problems = []
-    for i, (case, fault) in enumerate(_cases()):
+    for i, (case, fault) in enumerate(_cases(kind)):
         label = f"{case.name}/{fault}"
         outcomes = [results[rank][i] for rank in range(WORLD)]
         for o in outcomes:

@@ -20,13 +20,18 @@ class UsageError(Exception):
 
 def store_kwargs(args: argparse.Namespace, uri: str | None = None) -> dict[str, Any]:
     """Store options for the URI's scheme; options of another store are a usage error."""
+    from ..uri import split_azure_url
+
     uri = args.uri if uri is None else uri
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    given = {name: getattr(args, name, None) for name in ("endpoint", "region", "project")}
+    if scheme == "https" and split_azure_url(uri) is not None:
+        scheme = "az"
+    given = {name: getattr(args, name, None) for name in ("endpoint", "region", "project", "account")}
     given = {name: value for name, value in given.items() if value}
     accepted = {
         "s3": {"endpoint": "endpoint_url", "region": "region"},
         "gs": {"endpoint": "endpoint", "project": "project"},
+        "az": {"endpoint": "endpoint", "account": "account"},
     }
     mapping = accepted.get(scheme, {})
     wrong = [f"--{name}" for name in given if name not in mapping]

@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from .commands import COMMANDS, PROG, UsageError
 
 _DESCRIPTION = """\
-Inspect and maintain PyTorch Distributed Checkpoints in S3, GCS or a directory.
+Inspect and maintain PyTorch Distributed Checkpoints in S3, GCS, Azure Blob Storage or a directory.
 
-URIs: s3://bucket/prefix, gs://bucket/prefix, file:///dir. Credentials and
-endpoints come from the usual places (AWS_* variables and profiles,
-Application Default Credentials, STORAGE_EMULATOR_HOST); --endpoint overrides
-the endpoint.
+URIs: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix (or
+https://ACCOUNT.blob.core.windows.net/container/prefix), file:///dir. Credentials
+and endpoints come from the usual places (AWS_* variables and profiles,
+Application Default Credentials, STORAGE_EMULATOR_HOST, AZURE_STORAGE_*
+variables and DefaultAzureCredential); --endpoint overrides the endpoint.
 """
 
 _EPILOG = """\
@@ -35,6 +36,7 @@ examples:
   dcp-cloud inspect s3://my-bucket/run-7/step-1000 --json
   dcp-cloud verify s3://my-bucket/run-7/step-1000
   dcp-cloud cp s3://my-bucket/run-7/step-1000 gs://other/run-7/step-1000
+  dcp-cloud cp gs://other/run-7/step-1000 az://checkpoints/run-7/step-1000
   dcp-cloud export s3://my-bucket/run-7/step-1000 s3://my-bucket/hf/run-7 --prefix model. --dtype bf16
   dcp-cloud rm s3://my-bucket/run-7/step-500
   dcp-cloud gc s3://my-bucket/run-7 --older-than 86400 --dry-run
@@ -133,9 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument("-q", "--quiet", action="store_true", help="no progress bars (drawn only on a terminal)")
     store = argparse.ArgumentParser(add_help=False, parents=[output])
-    store.add_argument("--endpoint", metavar="URL", help="S3 or GCS endpoint (an S3-compatible server, an emulator)")
+    store.add_argument(
+        "--endpoint", metavar="URL", help="S3, GCS or Azure endpoint (an S3-compatible server, an emulator)"
+    )
     store.add_argument("--region", help="S3 region (default: AWS_REGION / the profile's)")
     store.add_argument("--project", help="GCS project (default: GOOGLE_CLOUD_PROJECT / ADC)")
+    store.add_argument(
+        "--account", help="Azure storage account (default: AZURE_STORAGE_ACCOUNT / the connection string)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = commands.add_parser(
@@ -175,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cp",
         parents=[output],
         help="copy a committed checkpoint to another place or store",
-        description="Copy the committed checkpoint at SRC to DST (s3://, gs:// or file:// at either end; endpoints "
-        "and credentials from the environment: AWS_*, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, ADC). Within one "
+        description="Copy the committed checkpoint at SRC to DST (s3://, gs://, az:// or file:// at either end; "
+        "endpoints and credentials from the environment: AWS_*, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, ADC, "
+        "AZURE_STORAGE_*). Within one "
         "store the service copies the objects and they are read back to check their CRC32C; across stores they "
         "stream through this process in bounded memory, checked as they pass. DST's .metadata is written last and "
         "create-only: a committed DST is refused unless --overwrite.",
@@ -266,11 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         parents=[output],
         help="save on N ranks and load on M ranks against an embedded server",
-        description="Start an embedded S3 (moto) or GCS (fake-gcs-server) server on 127.0.0.1, train a small "
+        description="Start an embedded S3 (moto), GCS (fake-gcs-server) or Azure (Azurite) server on 127.0.0.1, "
+        "train a small "
         "FSDP2-sharded model on N CPU ranks, save it with model and Adam state, load it on M ranks and "
         "check it is bitwise equal. Needs no cloud account; prints a table of bytes, time, memory and requests.",
     )
-    demo.add_argument("--backend", choices=("s3", "gcs"), default="s3", help="which embedded server (default: s3)")
+    demo.add_argument(
+        "--backend", choices=("s3", "gcs", "azure"), default="s3", help="which embedded server (default: s3)"
+    )
     demo.add_argument("--save-ranks", type=_positive_int, default=4, metavar="N", help="ranks that save (default: 4)")
     demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="M", help="ranks that load (default: 3)")
     demo.add_argument("--steps", type=_non_negative_int, default=2, metavar="K", help="training steps (default: 2)")

@@ -202,7 +202,7 @@ def export_safetensors(
     state: dict[str, Any] = {}
     try:
         dst = _open(destination, writes, retry, dict(destination_options or {}), root=False)
-        src_uri = parse_uri(source, ("s3", "gs", "file"))
+        src_uri = parse_uri(source, ("s3", "gs", "az", "file"))
         backend = backend_for(src_uri.scheme, dict(source_options or {}))
         reader = CloudReader(source, backend, transfer=reads, retry=retry, share_metadata=False, share_reads=False)
         md = reader.read_metadata()

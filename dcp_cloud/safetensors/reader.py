@@ -58,13 +58,14 @@ _SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
 class SafetensorsReader(CloudReader):
-    """Load a directory of Hugging Face safetensors files (``s3://``, ``gs://``, ``file://`` or a path) with
-    ``dcp.load``, onto any sharding (plain tensors, DTensor, FSDP2) and any world size.
+    """Load a directory of Hugging Face safetensors files (``s3://``, ``gs://``, ``az://``, ``file://`` or a
+    path) with ``dcp.load``, onto any sharding (plain tensors, DTensor, FSDP2) and any world size.
 
     ``rename`` maps each tensor's name in the files to its name in the state dict (None: not loaded);
     ``prefix`` is then put in front of every name (``"model."`` loads into a ``{"model": ...}`` state).
     A URI ending in ``.safetensors`` names one file. Store options: ``endpoint_url``, ``region`` (S3),
-    ``project``, ``endpoint``, ``credentials`` (GCS), ``config`` (either). ``process_group``,
+    ``project``, ``endpoint``, ``credentials`` (GCS), ``account``, ``endpoint``, ``credential`` (Azure),
+    ``config`` (any). ``process_group``,
     ``share_metadata``, ``share_reads``, ``staging``, ``transfer`` and ``retry`` are
     :class:`~dcp_cloud.S3Reader`'s.
     """
@@ -80,6 +81,8 @@ class SafetensorsReader(CloudReader):
         project: str | None = None,
         endpoint: str | None = None,
         credentials: Any = None,
+        account: str | None = None,
+        credential: Any = None,
         config: Any = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
@@ -88,13 +91,15 @@ class SafetensorsReader(CloudReader):
         share_reads: bool = True,
         staging: StagingConfig | None = None,
     ) -> None:
-        scheme = parse_uri(path, ("s3", "gs", "file")).scheme
+        scheme = parse_uri(path, ("s3", "gs", "az", "file")).scheme
         given = {
             "endpoint_url": endpoint_url,
             "region": region,
             "project": project,
             "endpoint": endpoint,
             "credentials": credentials,
+            "account": account,
+            "credential": credential,
             "config": config,
         }
         #: Put in front of every tensor's name (after ``rename``).

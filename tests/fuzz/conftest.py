@@ -1,9 +1,9 @@
 """Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
 
 Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory); ``s3-rgw``
-(Ceph's RADOS Gateway) and ``gcs`` (fake-gcs-server) in runs of their own. Another S3 server joins as
-one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its credentials in ``env``,
-its smallest multipart part); the fuzzer then draws it like the others.
+(Ceph's RADOS Gateway), ``gcs`` (fake-gcs-server) and ``azure`` (Azurite) in runs of their own. Another
+S3 server joins as one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its
+credentials in ``env``, its smallest multipart part); the fuzzer then draws it like the others.
 """
 
 from __future__ import annotations
@@ -62,9 +62,18 @@ def fuzz_targets(
 ) -> Iterator[dict[str, Target]]:
     """Every store a case may be drawn to run against, by name: S3 on moto and a local directory
     (``"moto+local"``, the default), S3 on Ceph's RADOS Gateway (``"rgw"``: a production S3
-    implementation, started for the session; skips where Ceph is not installed), or GCS on
-    fake-gcs-server (``"gcs"``)."""
+    implementation, started for the session; skips where Ceph is not installed), GCS on
+    fake-gcs-server (``"gcs"``) or Azure on Azurite (``"azure"``)."""
     stores = getattr(request, "param", STORES[0])
+    if stores == "azure":
+        azurite = request.getfixturevalue("azurite_server")
+        container = f"fuzz-{uuid.uuid4().hex[:12]}"
+        azurite.create_container(container)
+        # Azure takes blocks of any size: 256 KiB keeps small-part saves multipart without thousands of blocks
+        yield {"azure": Target("azure", "azure", container, endpoint_url=azurite.endpoint, env=azurite.env(),
+                               min_part_size=256 * 1024)}  # fmt: skip
+        azurite.delete_container(container)
+        return
     if stores == "gcs":
         emulator = request.getfixturevalue("gcs_emulator")
         bucket = f"fuzz-{uuid.uuid4().hex[:12]}"

@@ -352,7 +352,7 @@ def cases(draw: Any, targets: tuple[str, ...], kinds: dict[str, str]) -> Case:
     for i in range(draw(st.integers(1, 5))):
         items += draw(subtree((f"e{i}",), w1, w2))
     kind = kinds[target]
-    options = draw(option_values(kind, ("writer", "reader", "staging", "s3", "gcs", "save", "load", "case")))
+    options = draw(option_values(kind, ("writer", "reader", "staging", "s3", "gcs", "azure", "save", "load", "case")))
     case = Case(
         w1,
         w2,

@@ -36,9 +36,10 @@ from hypothesis import seed as hypothesis_seed
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 #: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
-#: included), and on Ceph RGW and on GCS (a fraction of them each: the same code, other servers' answers).
+#: included), and on Ceph RGW, on GCS and on Azure (a fraction of them each: the same code, other servers'
+#: answers).
 CI_CASES = 200
-SHARES = {"rgw": 8, "gcs": 8}
+SHARES = {"rgw": 8, "gcs": 8, "azure": 8}
 
 
 def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
