@@ -148,6 +148,7 @@ AZURE_ALLOWED = {
     "dcp_cloud/cli/commands.py": "the CLI's URI table (--account, --endpoint for az://)",
     "dcp_cloud/cli/main.py": "the CLI's help texts and options",
     "dcp_cloud/cli/demo.py": "dcp-cloud demo --backend azure",
+    "dcp_cloud/safetensors/reader.py": "docstring: the az:// store options (account, credential)",
     "dcp_cloud/store/clients.py": "AZURE_* variables decide how a shared client is built",
 }
 
