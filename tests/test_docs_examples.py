@@ -50,6 +50,7 @@ EXPECTED_SKIPS = {
     "docs/guides/gcs.md": 1,
     "docs/guides/gpu-async-save.md": 1,
     "docs/guides/resharding.md": 1,
+    "docs/guides/testing.md": 1,
     "docs/reference/s3-compatibility.md": 1,
     "docs/reference/torch-versions.md": 1,
 }
