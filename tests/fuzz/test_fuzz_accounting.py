@@ -6,6 +6,9 @@ too (``fuzz_ledger``), this finds a generator change in seconds.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from fuzz_cases import Case, cases
 from fuzz_ledger import MAX_EXCLUDED_SHARE, Ledger
 from fuzz_oracle import REASONS
@@ -50,3 +53,17 @@ def test_the_books_fail_a_run_that_ran_less_or_dropped_a_case() -> None:
     ledger = Ledger("ci", requested=1, run=1, items=1000)
     ledger.excluded[REASONS[0]] = 101
     assert "no stock oracle" in ledger.problems()[0]
+
+
+def test_hypothesis_is_pinned_to_the_tested_release_series() -> None:
+    """The CI tier's derandomized cases are the same on every run only for one release series of hypothesis:
+    the testing extra bounds it from above, and the installed one is inside the bounds."""
+    import hypothesis
+    from packaging.requirements import Requirement
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    found = re.search(r'"(hypothesis[^"]*)"', pyproject)
+    assert found, "pyproject.toml names no hypothesis requirement"
+    required = Requirement(found.group(1))
+    assert any(s.operator in ("<", "<=", "==", "~=") for s in required.specifier), f"unbounded: {required}"
+    assert required.specifier.contains(hypothesis.__version__), f"hypothesis {hypothesis.__version__} vs {required}"
