@@ -64,6 +64,20 @@ EXPECTED_SKIPS = {
 RUN_LANGUAGES = ("python", "bash")
 NOT_CODE = ("text", "mermaid", "")
 
+#: A model sharded with FSDP2 over a CPU mesh of all ranks, and its optimizer (``seed``: of its initialisation).
+_FSDP2_MODEL = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed({seed})
+model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+mesh = init_device_mesh("cpu", (world_size,))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
 #: Names a block may use without defining them, by setup (see the module docstring).
 SETUPS = {
     # A small model and optimizer in one process, and a training step.
@@ -81,38 +95,15 @@ def train_step():
 train_step()
 """,
     # The same model sharded with FSDP2 over a CPU mesh of all ranks (33 rows: uneven over 2 and 3 ranks).
-    "fsdp2": """
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
-mesh = init_device_mesh("cpu", (world_size,))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    "fsdp2": _FSDP2_MODEL.format(seed=0)
+    + """
 model(torch.randn(8, 16)).pow(2).mean().backward()
 optimizer.step()
 optimizer.zero_grad()
 step = 1000
 """,
     # A job restarted from a checkpoint: the same model, other weights (a fresh initialisation), at step 0.
-    "fsdp2_fresh": """
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-torch.manual_seed(1)
-model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
-mesh = init_device_mesh("cpu", (world_size,))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-step = 0
-""",
+    "fsdp2_fresh": _FSDP2_MODEL.format(seed=1) + "step = 0\n",
 }
 
 #: Checks run after a block (``check=NAME``), in its namespace.
