@@ -1,9 +1,10 @@
 """One switch for every test server: a server that cannot start skips its tests, or, where
 ``DCP_CLOUD_REQUIRE_SERVERS=1`` is set (CI sets it), fails them.
 
-Every fixture that starts a server (moto, s3rver, Ceph RGW, fake-gcs-server, and any server added
+Every fixture whose server may be missing (s3rver, Ceph RGW, fake-gcs-server, and any server added
 later) calls :func:`server_unavailable` where its server cannot start, and nothing else decides
-between skipping and failing. A new server joins with one call in its fixture::
+between skipping and failing (moto, a dependency of the package, is never missing: a moto server
+that cannot start fails its tests outright). A new server joins with one call in its fixture::
 
     @pytest.fixture(scope="session")
     def azurite() -> Iterator[Azurite]:
