@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fuzz_options import OPTIONS, applicable, decode_value, encode_value
@@ -153,6 +153,15 @@ def decode_case(blob: str) -> Case:
     )
     opts = {k: {n: decode_value(v) for n, v in raw[k].items()} for k in ("options", "save_transfer", "load_transfer")}
     return Case(raw["w1"], raw["w2"], raw["target"], items, **opts)
+
+
+def partial(case: Case) -> Case:
+    """What a partial load asks for (the partial_load option): the case without the items of its first
+    top-level key, where it has two or more (the weights without the optimizer)."""
+    keys = sorted({str(it.path[0]) for it in case.items})
+    if len(keys) < 2:
+        return case
+    return replace(case, items=tuple(it for it in case.items if str(it.path[0]) != keys[0]))
 
 
 # -------------------------------------------------------------------------------------- strategies

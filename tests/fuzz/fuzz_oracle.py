@@ -4,7 +4,10 @@ Stock torch is the fuzzer's oracle, but its planners cannot hold every layout th
 *items* (never their case) are left out of the oracle: :func:`exclusions` names them, the stock run holds
 them plainly (the whole tensor on every rank; :func:`held_plainly`), and our run loads them as drawn
 where it can, against the values the case was built from. Where our run goes through the same torch
-planner code, it holds them plainly too.
+planner code, it holds them plainly too, and so it does where only its own load fails: a partial load
+(:func:`fuzz_cases.partial`) asks for less than stock's load of the whole state, which can take away
+the missing key that spared a hole (below); those items are then loaded plainly, against the values
+they were built from, while stock holds them as drawn.
 
 The model below follows torch 2.13's code; ``tests/fuzz/test_fuzz_oracle.py`` asks the installed torch
 whether each reason still fails, and whether each near miss loads, so that it follows torch releases
@@ -31,6 +34,9 @@ fails that test).
   :data:`IDLE_BESIDE_PLAIN_DICT`; every idle ShardedTensor of a failing rank is held plainly, until
   no rank fails.
 
+  Only keys of the state being loaded count: a partial load, whose state lacks keys the checkpoint
+  has, re-flattens only where a key of its own state went missing.
+
   ``dcp_cloud.load`` (``ScaleLoadPlanner``) plans the keys torch-2.4 style without re-flattening, so it
   loads idle ShardedTensors whose keys went missing, tensorless dicts or not; where the rank's state
   has a hole or a one-leaf list, it leaves the plan to the stock planner, and fails where stock fails.
@@ -41,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fuzz_cases import Case, Item, Layout
+from fuzz_cases import Case, Item, Layout, partial
 
 PAST_END = "chunk past the end"
 IDLE_HOLE = "idle ShardedTensor leaves a hole in a list"
@@ -57,15 +63,21 @@ Held = dict[tuple[Any, ...], dict[str, str]]
 class Exclusions:
     """The layouts of one case that stock torch, and our run, cannot hold as drawn."""
 
-    #: Held plainly in the stock (oracle) run.
+    #: Held plainly in the stock (oracle) run: stock torch cannot hold them as drawn.
     stock: Held
-    #: Held plainly in our run too (a subset of ``stock``): our run goes through the torch code that fails.
+    #: Held plainly in our run: where it goes through the torch code that fails (for stock, or for its own
+    #: partial load).
     ours: Held
 
     @property
     def checked_against_built(self) -> set[tuple[Any, ...]]:
-        """Items our run loads as drawn that stock cannot: their expected values are the built ones."""
-        return {p for p, sides in self.stock.items() if "load" in sides and "load" not in self.ours.get(p, {})}
+        """Items whose load layout differs between our run and stock's (one holds it plainly, the other as
+        drawn): what our loads must give is the values they were built from, not stock's."""
+        return {p for p in self.stock.keys() | self.ours.keys() if _load(self.stock, p) != _load(self.ours, p)}
+
+
+def _load(held: Held, path: tuple[Any, ...]) -> bool:
+    return "load" in held.get(path, {})
 
 
 def shard_ranks(layout: Layout) -> set[int]:
@@ -137,12 +149,17 @@ def _rank_fails(case: Case, held: Held, rank: int, scale: bool, plain_dict: bool
     return cause, idle
 
 
-def _unloadable(case: Case, held: Held, scale: bool) -> Held:
-    """``held`` plus the idle ShardedTensors to hold plainly on the load side until no rank fails."""
+def _unloadable(loads: list[Case], held: Held, scale: bool) -> Held:
+    """``held`` plus the idle ShardedTensors to hold plainly on the load side until no rank fails in any of
+    ``loads`` (the states a run loads)."""
     held = {path: dict(sides) for path, sides in held.items()}
-    plain_dict = _has_plain_dict(case)
+    plain_dicts = [_has_plain_dict(state) for state in loads]
     while True:
-        failing = [_rank_fails(case, held, rank, scale, plain_dict) for rank in range(case.w2)]
+        failing = [
+            _rank_fails(state, held, rank, scale, plain_dict)
+            for state, plain_dict in zip(loads, plain_dicts, strict=True)
+            for rank in range(state.w2)
+        ]
         if not any(cause for cause, _ in failing):
             return held
         for cause, idle in failing:
@@ -156,8 +173,9 @@ def exclusions(case: Case) -> Exclusions:
     saves: Held = {
         it.path: {"save": PAST_END} for it in case.items if it.kind == "tensor" and chunk_past_end(it.save, it.shape)
     }
-    ours = _unloadable(case, saves, scale=case.opt("api") == "dcp_cloud")
-    stock = _unloadable(case, ours, scale=False)  # from ours: what ours holds plainly, stock holds plainly too
+    stock = _unloadable([case], saves, scale=False)
+    ours_loads = [case, partial(case)] if case.opt("partial_load") else [case]
+    ours = _unloadable(ours_loads, saves, scale=case.opt("api") == "dcp_cloud")
     return Exclusions(stock, ours)
 
 

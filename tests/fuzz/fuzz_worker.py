@@ -45,13 +45,13 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import fuzz_targets as targets
 import torch.distributed as dist
-from fuzz_cases import Case
+from fuzz_cases import Case, partial
 from fuzz_options import Target, by_scope
 from fuzz_oracle import Exclusions, exclusions, held_plainly
 from fuzz_state import BASE, FILLER, FINAL, build, differences, identities, scribble, snapshot_state
@@ -180,11 +180,8 @@ class CaseRun:
 
     @property
     def part(self) -> Case:
-        """The case with the items of its first top-level key left out (partial_load), where it has two or more."""
-        keys = sorted({str(it.path[0]) for it in self.case.items})
-        if len(keys) < 2:
-            return self.case
-        return replace(self.case, items=tuple(it for it in self.case.items if str(it.path[0]) != keys[0]))
+        """What a partial load asks for (:func:`fuzz_cases.partial`)."""
+        return partial(self.case)
 
     def stock_load(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -195,10 +192,10 @@ class CaseRun:
         what = f"ORACLE (stock torch vs the values the case was built from), rank {self.rank}"
         self.report.mismatches += differences(plain, truth, what)
         self.expected = dict(self.stock_expected)
-        unloadable = {".".join(map(str, path)) for path in self.excluded.checked_against_built}
-        if unloadable:  # no stock oracle for this layout: the values the case was built from, loaded in place
+        unlike = {".".join(map(str, path)) for path in self.excluded.checked_against_built}
+        if unlike:  # our load layout is not stock's: the values the case was built from, loaded in place
             built = snapshot_state(self.case, build(self.case, "load", FINAL, self.ranks), None)
-            self.expected.update({key: (*built[key], "in place") for key in unloadable})
+            self.expected.update({key: (*built[key], "in place") for key in unlike})
 
     def _save(self, uri: str, which: str, writer: Any = None, checkpoint_id: str | None = None, **extra: Any) -> None:
         """Save the ``which`` values to ``uri`` with a new writer, or with ``writer`` (reused: ``checkpoint_id``

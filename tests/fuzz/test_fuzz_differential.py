@@ -76,7 +76,7 @@ def test_differential(
     names = tuple(sorted(fuzz_targets))
     kinds = {name: t.kind for name, t in fuzz_targets.items()}
     done: list[float] = []
-    ledger = Ledger(f"{tier} ({stores})", count)
+    ledger = Ledger(f"{tier} ({stores})", count, check_share=tier == "ci")
     slowest: list[tuple[float, str, Case]] = []  # the slowest case so far: (seconds, label, case)
     incremental: list[dict[str, Any]] = []
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("DCP_CLOUD_FUZZ_SHRINK") else [])

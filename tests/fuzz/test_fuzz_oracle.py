@@ -54,13 +54,19 @@ LAYOUTS: dict[str, tuple[int, int, tuple[Item, ...], str]] = {
     "idle in a dict, beside a tensorless dict": (
         2, 2, (_t(("d", "w"), load=ON_0), _obj(GROUPS)), IDLE_BESIDE_PLAIN_DICT,
     ),
+    # stock loads the whole state (the key gone from "a" spares the hole); a partial load leaves "a" out
+    "hole spared by a key a partial load leaves out": (
+        2, 2, (_t(("a",), load=ON_1), _t(("l", 0)), _t(("l", 1), load=ON_1), _t(("l", 2))), "",
+    ),
 }  # fmt: skip
+#: Options of a layout's case beyond the defaults.
+OPTIONS = {"hole spared by a key a partial load leaves out": {"partial_load": True}}
 
 
 def _case(name: str, api: str = "dcp") -> Case:
     w1, w2, items, _ = LAYOUTS[name]
     case = default_case(w1, w2, "local", "local", items)
-    case.options["api"] = api
+    case.options.update(api=api, **OPTIONS.get(name, {}))
     return case
 
 
