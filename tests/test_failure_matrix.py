@@ -12,7 +12,15 @@ planning, writes, the commit, a rank's own reads, and the shared-read rounds.
 Every rank must end the case with an error within the retry deadline plus 15 s
 (never the process group's timeout); through ``dcp_cloud.save``/``load`` the
 victim raises the typed dcp_cloud error and the other ranks an error that names
-the victim's rank; and a failed save commits nothing. The ranks run every case
+the victim's rank; and a failed save commits nothing.
+
+Each case proves that its fault is why: the victim's proxy injected it at least
+once (the proxy's own counters), and the victim's error is the one that fault
+causes: a ``TransientStoreError`` of the operation the case targets, whose last
+attempt met that fault (no answer: a connection that timed out; 500: HTTP 500; 503 on Azure: ServerBusy,
+or the adaptive rate it cut).
+A victim that failed for another reason (a setup error, a proxy bug, another
+operation) fails the case. The ranks run every case
 of a store in one process group, one after the other (a case that hung would
 end the whole run at its timeout, naming the hung ranks).
 """
@@ -20,6 +28,7 @@ end the whole run at its timeout, naming the hung ranks).
 from __future__ import annotations
 
 import dataclasses
+import re
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +91,9 @@ class Case:
     options: tuple[tuple[str, Any], ...] = ()
     #: Load the replicated items only (every rank wants them: shared reads) instead of the sharded one.
     replicated: bool = False
+    #: The store operations (as the retry loop names them) whose failure the victim may raise: the first
+    #: request the fault meets is one of them.
+    ops: tuple[str, ...] = ()
 
 
 def _any(r: Seen) -> bool:
@@ -108,22 +120,31 @@ def _shard_read(r: Seen) -> bool:
     return r.data and ".distcp" in r.name
 
 
+_FIRST = ("check_bucket", "head", "get", "list")  # what a writer or reader asks first
 CASES = [
-    Case("save-constructor", "save", 2, _any),
-    Case("save-planning", "save", 0, _base_metadata, (("base", "src"),)),
-    Case("save-writes", "save", 3, _shard_write),
-    Case("save-commit", "save", 0, _commit),
-    Case("load-constructor", "load", 0, _any),
-    Case("load-other-rank", "load", 2, _any),
-    Case("load-metadata-unshared", "load", 1, _metadata_get, (("share_metadata", False),)),
-    Case("load-own-reads", "load", 1, _shard_read, (("share_reads", False),)),
-    Case("load-shared-reads", "load", 3, _shard_read, (), True),
+    Case("save-constructor", "save", 2, _any, ops=_FIRST),
+    Case("save-planning", "save", 0, _base_metadata, (("base", "src"),), ops=("get", "read")),
+    Case("save-writes", "save", 3, _shard_write, ops=("put", "create_multipart", "put_part", "complete_multipart")),
+    Case("save-commit", "save", 0, _commit, ops=("put", "complete_multipart")),
+    Case("load-constructor", "load", 0, _any, ops=_FIRST),
+    Case("load-other-rank", "load", 2, _any, ops=("read",)),  # rank 0 fetched the metadata: its first is a read
+    Case("load-metadata-unshared", "load", 1, _metadata_get, (("share_metadata", False),), ops=("get", "read")),
+    Case("load-own-reads", "load", 1, _shard_read, (("share_reads", False),), ops=("read",)),
+    Case("load-shared-reads", "load", 3, _shard_read, (), True, ops=("read",)),
 ]
 FAULTS = ("dead", "500")
 #: Azure's throttling answer joins its matrix: 503 ServerBusy, retried as throttling under the adaptive rate.
 AZURE_FAULTS = (*FAULTS, "503")
 #: The account of Azurite's path-style URLs.
 AZURITE_ACCOUNT = "devstoreaccount1"
+#: The proxy's counter of each fault, and what the victim's last attempt met, as its error says.
+FAULT_KIND = {"dead": "stall", "500": "error_500", "503": "slowdown"}
+FAULT_SIGN = {
+    "dead": re.compile(r"connection to (S3|GCS|Azure) failed"),
+    "500": re.compile(r"HTTP 500\b"),
+    # Throttled: either the last attempt's 503 ServerBusy, or the adaptive rate that it cut refusing the next.
+    "503": re.compile(r"HTTP 503 ServerBusy|the store throttled this process"),
+}
 
 
 def _plan(case: Case, fault: str) -> FaultPlan:
@@ -195,7 +216,12 @@ def _rank_main(rank: int, world: int, kind: str, root: str, endpoints: list[str]
                 dcp_cloud.load(state, storage_reader=make("r", f"{root}/src", endpoint, **options))
             outcome = {"error": None}
         except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the test
-            outcome = {"error": type(exc).__name__, "message": str(exc)[:2000], "typed": _typed(exc)}
+            outcome = {
+                "error": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "typed": _typed(exc),
+                "transient": _transient(exc),
+            }
         outcome.update(case=f"{case.name}/{fault}", rank=rank, seconds=time.monotonic() - started)
         out.append(outcome)
     dist.barrier()
@@ -206,6 +232,28 @@ def _typed(exc: BaseException) -> bool:
     from dcp_cloud import DcpCloudError
 
     return isinstance(exc, DcpCloudError)
+
+
+def _transient(exc: BaseException) -> bool:
+    """A retryable fault that outlived the retry budget: the retry loop's own TransientStoreError (a
+    ThrottledError that escaped it would mean the loop never retried)."""
+    from dcp_cloud import ThrottledError, TransientStoreError
+
+    return isinstance(exc, TransientStoreError) and not isinstance(exc, ThrottledError)
+
+
+def _victim_problems(case: Case, fault: str, outcome: dict[str, Any]) -> list[str]:
+    """Why the victim's error is not the one its fault causes ([] where it is)."""
+    message = outcome["message"]
+    out = []
+    if not outcome["transient"]:
+        out.append(f"the victim raised {outcome['error']}, not the TransientStoreError a {fault} fault causes")
+    op = re.match(r"(\w+)(?: failed after \d+ attempt|: the store throttled)", message)
+    if op is None or op.group(1) not in case.ops:
+        out.append(f"the victim's error names {op.group(1) if op else 'no operation'}, not one of {case.ops}")
+    if not FAULT_SIGN[fault].search(message):
+        out.append(f"the victim's last attempt did not meet the {fault} fault ({FAULT_SIGN[fault].pattern!r})")
+    return [f"{p}: {message}" for p in out]
 
 
 def _cases(kind: str) -> Iterator[tuple[Case, str]]:
@@ -270,11 +318,14 @@ def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
     try:
         results = run_ranks(WORLD, _rank_main, kind, root, [p.url for p in proxies], upstream, env=env, timeout=TIMEOUT)
     finally:
+        stats = [proxy.snapshot() for proxy in proxies]
         for proxy in proxies:
             proxy.stop()
     problems = []
     for i, (case, fault) in enumerate(_cases(kind)):
         label = f"{case.name}/{fault}"
+        if stats[i].faults[FAULT_KIND[fault]] < 1:  # each case has a proxy of its own: the victim's endpoint
+            problems.append(f"{label}: the victim's proxy never injected its fault ({stats[i]})")
         outcomes = [results[rank][i] for rank in range(WORLD)]
         for o in outcomes:
             assert o["case"] == label
@@ -285,6 +336,8 @@ def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
                 problems.append(f"{label}: rank {o['rank']} took {o['seconds']:.1f} s (> {BOUND:.0f} s)")
             if o["rank"] == case.victim and not o["typed"]:
                 problems.append(f"{label}: the victim raised {o['error']}, not a dcp_cloud error: {o['message']}")
+            if o["rank"] == case.victim:
+                problems += [f"{label}: {p}" for p in _victim_problems(case, fault, o)]
             if o["rank"] != case.victim and f"rank {case.victim}" not in o["message"].lower():
                 problems.append(f"{label}: rank {o['rank']}'s error does not name rank {case.victim}: {o['message']}")
         if case.op == "save" and committed(f"{case.name}-{fault}"):

@@ -10,7 +10,8 @@ ask for them:
 * ``azure_store``: an :class:`~dcp_cloud.store.azure.AzureStore` bound to ``azure_container``.
 
 Tests that need Azurite are skipped where node or Azurite is missing (``python -m
-dcp_cloud.testing.azurite`` installs it), and fail instead when ``DCP_CLOUD_REQUIRE_AZURITE=1`` (CI).
+dcp_cloud.testing.azurite`` installs it), and fail instead under ``DCP_CLOUD_REQUIRE_SERVERS=1`` (CI), as
+every server fixture does (:mod:`dcp_cloud.testing.required`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from .azurite import REQUIRE_ENV, Azurite, missing_reason
+from .azurite import Azurite, missing_reason
+from .required import server_unavailable
 
 __all__ = ["azure_container", "azure_env", "azure_store", "azurite_server"]
 
@@ -31,9 +33,7 @@ def azurite_server() -> Iterator[Azurite]:
     """An Azurite Blob service for the whole session (127.0.0.1, free port, temporary data directory)."""
     reason = missing_reason()
     if reason is not None:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{reason} ({REQUIRE_ENV}=1)")
-        pytest.skip(reason)
+        server_unavailable("Azurite", reason)
     with Azurite() as server:
         yield server
 

@@ -3,7 +3,7 @@
 Azurite is Node code, not a Python dependency. :func:`install` puts ``azurite@VERSION`` into a cache
 directory with npm (``$DCP_CLOUD_BENCH_CACHE`` or ``~/.cache/dcp-cloud-bench``; run ``python -m
 dcp_cloud.testing.azurite`` to do it ahead of a test run); :func:`installed_script` finds it without
-installing, so a fixture can skip (or, with ``DCP_CLOUD_REQUIRE_AZURITE=1``, fail) where it is absent.
+installing, so a fixture can skip (or, under ``DCP_CLOUD_REQUIRE_SERVERS=1``, fail) where it is absent.
 
 ``Azurite()`` starts only the Blob service: ``node azurite-blob --blobHost 127.0.0.1 --blobPort PORT
 --location DIR --skipApiVersionCheck --silent --disableTelemetry`` on a free port with a fresh data
@@ -34,8 +34,6 @@ from ._procs import _death_signal_setter, _free_port, stop_processes
 VERSION = "3.37.0"
 ACCOUNT = DEV_ACCOUNT
 KEY = DEV_KEY
-#: Set to 1 to make the Azurite fixtures fail, not skip, where Azurite cannot start (CI sets it).
-REQUIRE_ENV = "DCP_CLOUD_REQUIRE_AZURITE"
 
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _live: weakref.WeakSet[Azurite] = weakref.WeakSet()

@@ -139,7 +139,7 @@ def run_case(
             raise AssertionError(failed_before[blob])
         case_id = f"case-{next(_ids)}-{uuid.uuid4().hex[:8]}"
         workdir = _fuzz_root / case_id
-        outcome = fuzz_world.run((case, fuzz_targets[case.target], case_id, str(workdir)))
+        outcome = fuzz_world.run((case, fuzz_targets[case.target], case_id, str(workdir), False))
         failed = outcome.world_failure or any(r.error or r.mismatches for r in outcome.reports.values())
         if failed:
             text = failed_before[blob] = failure_text(case, outcome, label)
@@ -148,3 +148,23 @@ def run_case(
         return outcome
 
     return run
+
+
+@pytest.fixture
+def stock_probe(fuzz_world: World, _fuzz_root: Path) -> Callable[[Case], str]:
+    """``stock_probe(case)``: stock torch's save and load of ``case`` exactly as drawn (local disk only); the
+    first error any rank raised, or "" where stock saved it, loaded it and gave the built values."""
+
+    def probe(case: Case) -> str:
+        case_id = f"probe-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        disk = Target("local", "local", str(_fuzz_root / "probes"))
+        outcome = fuzz_world.run((case, disk, case_id, str(_fuzz_root / case_id), True))
+        if outcome.world_failure:
+            raise AssertionError(f"the world of ranks failed:\n{outcome.world_failure}")
+        first = next((r for r in outcome.reports.values() if r.error), None)
+        if first is not None:
+            return first.error
+        mismatches = [m for r in outcome.reports.values() for m in r.mismatches]
+        return "\n".join(mismatches)
+
+    return probe
