@@ -143,7 +143,7 @@ FAULT_SIGN = {
     "dead": re.compile(r"connection to (S3|GCS|Azure) failed"),
     "500": re.compile(r"HTTP 500\b"),
     # Throttled: either the last attempt's 503 ServerBusy, or the adaptive rate that it cut refusing the next.
-    "503": re.compile(r"HTTP 503 ServerBusy|the store throttled this process"),
+    "503": re.compile(r"HTTP 503, ServerBusy|the store throttled this process"),
 }
 
 
