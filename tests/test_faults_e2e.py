@@ -485,8 +485,11 @@ def _rank_load(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any
     return {"retries": reader.stats.retries, "read": reader.stats.bytes_read, "equal": equal, "step": state["step"]}
 
 
+# On S3 only: the retry loop is one for every store, and each store's answers to every fault kind are the
+# tests above; GCS and Azure meet faults on many ranks in the failure matrix.
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["s3"], indirect=True)
 def test_four_rank_save_and_three_rank_load_under_mixed_faults(target: Target) -> None:
     from dcp_cloud.testing.multirank import run_ranks
 
