@@ -27,7 +27,7 @@ from dcp_cloud.testing.tripwire import Tripwire
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-FROZEN = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+FROZEN = torch.arange(640 * 512, dtype=torch.float32).reshape(640, 512)  # 1.25 MiB: worth referencing
 S3 = "*step-00000003/"
 
 
@@ -141,7 +141,7 @@ def _check_recovery(root: Path, scenario: Scenario) -> None:
     mgr = CheckpointManager(str(root))
     assert mgr.latest_step() == scenario.latest, scenario.name
     for step in mgr.steps():  # the newest, and everything a kept step references, loads bitwise
-        target = {"frozen": torch.zeros(64, 64), "w0": torch.zeros(256, 256), "step": -1}
+        target = {"frozen": torch.zeros(640, 512), "w0": torch.zeros(256, 256), "step": -1}
         if scenario.world == 2:
             target["w1"] = torch.zeros(256, 256)
         assert mgr.load(target, step=step) == step

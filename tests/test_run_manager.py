@@ -35,7 +35,8 @@ from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-FROZEN = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+#: Unchanged from step to step, and large enough (1.25 MiB, most of a step) to be worth referencing.
+FROZEN = torch.randn(640, 512, generator=torch.Generator().manual_seed(0))
 
 
 def state_at(step: int) -> dict[str, Any]:
@@ -51,11 +52,26 @@ def state_at(step: int) -> dict[str, Any]:
 
 def empty_state() -> dict[str, Any]:
     return {
-        "frozen": torch.zeros(64, 64),
+        "frozen": torch.zeros(640, 512),
         "w": torch.zeros(32, 16),
         "opt": {"m": torch.zeros(16), "lr": 0.0},
         "step": -1,
     }
+
+
+def same(actual: Any, expected: Any, where: str = "state") -> None:
+    """Nested equality, tensors bit for bit (fast for large tensors, unlike a bytes() of their storage)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert actual.shape == expected.shape, where
+        a, e = actual.detach().contiguous().view(-1), expected.detach().contiguous().view(-1)
+        assert torch.equal(a.view(torch.uint8), e.view(torch.uint8)), f"{where}: tensor bits differ"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), where
+        for key in expected:
+            same(actual[key], expected[key], f"{where}.{key}")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def files(root: Path) -> set[str]:
@@ -72,7 +88,7 @@ def run_root(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-def test_resume_from_nothing_then_save_load_and_find_steps(run_root: Path, assert_same: Any) -> None:
+def test_resume_from_nothing_then_save_load_and_find_steps(run_root: Path) -> None:
     with CheckpointManager(str(run_root)) as mgr:
         target = empty_state()
         assert mgr.load(target) is None  # nothing to resume: one line, no exception
@@ -81,9 +97,9 @@ def test_resume_from_nothing_then_save_load_and_find_steps(run_root: Path, asser
             mgr.save(step, state_at(step), metadata={"loss": 1.0 / step})
         assert mgr.steps() == [10, 20, 30] and mgr.latest_step() == 30
         assert mgr.load(target) == 30
-        assert_same(target, state_at(30))
+        same(target, state_at(30))
         assert mgr.load(target, step=10) == 10
-        assert_same(target, state_at(10))
+        same(target, state_at(10))
         assert mgr.metadata(20) == {"loss": 0.05}
         assert mgr.step_uri(20) == f"file://{run_root}/step-00000020"
     assert step_dirs(run_root) == {"step-00000010", "step-00000020", "step-00000030"}
@@ -96,7 +112,7 @@ def test_resume_from_nothing_then_save_load_and_find_steps(run_root: Path, asser
     again.close()
 
 
-def test_async_saves_one_in_flight_then_retention_keeps_the_incremental_base(run_root: Path, assert_same: Any) -> None:
+def test_async_saves_one_in_flight_then_retention_keeps_the_incremental_base(run_root: Path) -> None:
     mgr = CheckpointManager(str(run_root), retention=RetentionPolicy(keep_last=2))
     handles = [mgr.async_save(step, state_at(step), metadata={"step": step}) for step in range(1, 7)]
     mgr.wait()
@@ -111,7 +127,27 @@ def test_async_saves_one_in_flight_then_retention_keeps_the_incremental_base(run
     for step in (1, 5, 6):
         target = empty_state()
         assert mgr.load(target, step=step) == step
-        assert_same(target, state_at(step))
+        same(target, state_at(step))
+    mgr.close()
+
+
+def test_a_few_unchanged_bytes_do_not_pin_an_old_step(run_root: Path) -> None:
+    """Unchanged items are referenced only where they are worth keeping a base step for (1 MiB, and a quarter
+    of the base object): an optimizer's pickled param groups, or a small frozen tensor in a large step, are
+    uploaded again, and keep_last means what it says."""
+    mgr = CheckpointManager(str(run_root), retention=RetentionPolicy(keep_last=1))
+    small_frozen = torch.ones(512, 512)  # 1 MiB: not a quarter of the 5 MiB step
+    for step in (1, 2, 3):
+        state = {
+            "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.0}],  # the same every step
+            "small": small_frozen,
+            "w": torch.full((1024, 1024), float(step)),  # 4 MiB that change
+        }
+        pending = mgr.async_save(step, state)
+        pending.result()
+        assert pending._inner.writer.stats.bytes_reused == 0
+    mgr.wait()
+    assert mgr.steps() == [3] and step_dirs(run_root) == {"step-00000003"}
     mgr.close()
 
 
@@ -138,7 +174,7 @@ def test_keep_every_and_best(run_root: Path) -> None:
     mgr.close()
 
 
-def test_steps_must_grow_unless_overwrite(run_root: Path, assert_same: Any) -> None:
+def test_steps_must_grow_unless_overwrite(run_root: Path) -> None:
     mgr = CheckpointManager(str(run_root))
     mgr.save(5, state_at(5))
     with pytest.raises(StepExistsError, match="step 5 is already committed") as info:
@@ -149,7 +185,7 @@ def test_steps_must_grow_unless_overwrite(run_root: Path, assert_same: Any) -> N
     mgr.save(5, state_at(55), overwrite=True)
     target = empty_state()
     assert mgr.load(target) == 5
-    assert_same(target, state_at(55))
+    same(target, state_at(55))
     mgr.close()
 
 
@@ -196,7 +232,7 @@ def test_bad_options_and_metadata_are_refused(run_root: Path) -> None:
         mgr.save(1, state_at(1))
 
 
-def test_steps_saved_earlier_under_other_names_are_found(tmp_path: Path, assert_same: Any) -> None:
+def test_steps_saved_earlier_under_other_names_are_found(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     root = tmp_path / "run"
@@ -213,7 +249,7 @@ def test_steps_saved_earlier_under_other_names_are_found(tmp_path: Path, assert_
     assert step_dirs(root) == {"final", "step-00000300"} | ({"global_step200"} & step_dirs(root))
     target = empty_state()
     assert mgr.load(target) == 300
-    assert_same(target, state_at(300))
+    same(target, state_at(300))
     mgr.close()
 
 
@@ -330,7 +366,7 @@ def test_loads_hold_a_lease_while_they_read(run_root: Path) -> None:
     mgr.close()
 
 
-def test_two_managers_racing_on_one_step(run_root: Path, assert_same: Any) -> None:
+def test_two_managers_racing_on_one_step(run_root: Path) -> None:
     first = CheckpointManager(str(run_root))
     second = CheckpointManager(str(run_root))
     first.save(1, state_at(1))
@@ -340,7 +376,7 @@ def test_two_managers_racing_on_one_step(run_root: Path, assert_same: Any) -> No
         second.save(2, state_at(22))
     target = empty_state()
     assert first.load(target, step=2) == 2
-    assert_same(target, state_at(2))  # the winner's step is intact
+    same(target, state_at(2))  # the winner's step is intact
     # both in flight at once: the create-only commit decides, whichever way the race goes
     pending = [first.async_save(3, state_at(3)), second.async_save(3, state_at(33))]
     outcomes = []
@@ -352,20 +388,20 @@ def test_two_managers_racing_on_one_step(run_root: Path, assert_same: Any) -> No
     assert sorted(isinstance(o, StepExistsError) for o in outcomes) == [False, True], outcomes
     winner = 0 if outcomes[0] == 3 else 1
     assert first.load(target, step=3, refresh=True) == 3
-    assert_same(target, state_at(3 if winner == 0 else 33))
+    same(target, state_at(3 if winner == 0 else 33))
     (first, second)[winner].close()
     with pytest.raises(StepExistsError):  # the manager raises it too, once (the handle was only a look)
         (first, second)[1 - winner].close()
 
 
-def test_the_manager_pickles_as_configuration(run_root: Path, assert_same: Any) -> None:
+def test_the_manager_pickles_as_configuration(run_root: Path) -> None:
     mgr = CheckpointManager(str(run_root), retention=RetentionPolicy(keep_last=3))
     mgr.save(1, state_at(1))
     copy = pickle.loads(pickle.dumps(mgr))
     assert copy.retention == mgr.retention and copy.root == mgr.root
     target = empty_state()
     assert copy.load(target) == 1
-    assert_same(target, state_at(1))
+    same(target, state_at(1))
     copy.close()
     mgr.close()
     memory = CheckpointManager("memory://mem/run", store=MemoryStore())
@@ -373,7 +409,7 @@ def test_the_manager_pickles_as_configuration(run_root: Path, assert_same: Any) 
         pickle.dumps(memory)
 
 
-def test_on_a_memory_store(assert_same: Any) -> None:
+def test_on_a_memory_store() -> None:
     store = MemoryStore()
     mgr = CheckpointManager("memory://mem/run", store=store, retention=RetentionPolicy(keep_last=1))
     for step in (1, 2, 3):
@@ -381,7 +417,7 @@ def test_on_a_memory_store(assert_same: Any) -> None:
     mgr.wait()
     target = empty_state()
     assert mgr.load(target) == 3
-    assert_same(target, state_at(3))
+    same(target, state_at(3))
     names = {k.split("/")[1] for k in store._objects}
     assert names == {"step-00000001", "step-00000003"}  # 1 is the base of the frozen tensor
     # per save in steady state: one listing, the uncommit of the dropped step and one batch of deletions
@@ -391,3 +427,33 @@ def test_on_a_memory_store(assert_same: Any) -> None:
     spent = {k: v - before.get(k, 0) for k, v in mgr.requests.items() if v != before.get(k, 0)}
     assert spent == {"list": 1, "delete": 2}
     mgr.close()
+
+
+def test_cli_steps_shows_what_is_kept_and_why(s3_bucket: str, capsys: Any) -> None:
+    import json
+
+    from dcp_cloud.cli.main import main
+
+    root = f"s3://{s3_bucket}/run"
+    mgr = CheckpointManager(root, retention=RetentionPolicy(keep_last=2))
+    for step in (100, 200, 300):
+        mgr.save(step, state_at(step), metadata={"loss": 1000 / step})
+    mgr.close()
+    assert main(["steps", root]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
+    assert "base of step 200, base of step 300" in lines["100"] and '{"loss": 10.0}' in lines["100"]
+    assert lines["300"].split()[1] == "committed" and "latest, last 2" in lines["300"]
+    assert "keep the last 2 (recorded with step 300)" in out
+    assert main(["steps", root, "--keep-last", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["latest"] == 300 and report["retention_source"] == "given"
+    assert [(s["step"], s["kept"], s["references"]) for s in report["steps"]] == [
+        (100, ["base of step 300"], []),
+        (200, [], [100]),
+        (300, ["latest", "last 1"], [100]),
+    ]
+    assert main(["steps", root, "--keep-best", "2"]) == 2  # a rule that needs --metric: a usage error
+    assert "best_metric" in capsys.readouterr().err
+    assert main(["steps", f"{root}/step-00000100"]) == 1  # a checkpoint, not a run
+    assert "itself a checkpoint" in capsys.readouterr().err

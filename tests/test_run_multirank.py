@@ -17,6 +17,8 @@ from dcp_cloud.testing.multirank import run_ranks
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 ROWS, COLS = 12, 6
+#: The frozen tensor: 2.5 MiB, split over the ranks, each part large enough to be worth referencing.
+FROZEN_SHAPE = (1024, 640)
 
 
 def _full(step: int) -> torch.Tensor:
@@ -28,7 +30,7 @@ def _state(world: int, step: int) -> dict[str, Any]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    frozen = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    frozen = torch.arange(FROZEN_SHAPE[0] * FROZEN_SHAPE[1], dtype=torch.float32).reshape(FROZEN_SHAPE)
     return {
         "w": distribute_tensor(_full(step), mesh, [Shard(0)]),
         "frozen": distribute_tensor(frozen, mesh, [Shard(1)]),
@@ -60,7 +62,7 @@ def _resume(rank: int, world: int, root: str) -> tuple[int | None, bool, bool, l
     frozen = target["frozen"].full_tensor()
     steps = mgr.steps()
     mgr.close()
-    expected = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    expected = torch.arange(FROZEN_SHAPE[0] * FROZEN_SHAPE[1], dtype=torch.float32).reshape(FROZEN_SHAPE)
     return loaded, torch.equal(w, _full(4)), torch.equal(frozen, expected) and target["step"] == 4, steps
 
 

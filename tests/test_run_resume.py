@@ -29,7 +29,7 @@ def _build(world: int, seed: int) -> tuple[Any, Any, Any]:
     from test_continuity import _build as build
 
     model, opt, sched = build(world, seed)
-    table = torch.randn(64, 32, generator=torch.Generator().manual_seed(99))
+    table = torch.randn(1024, 512, generator=torch.Generator().manual_seed(99))  # 2 MiB: worth referencing
     model.register_buffer("frozen_table", table)  # state that never changes: referenced, not re-uploaded
     return model, opt, sched
 
@@ -107,7 +107,7 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
             app.step = step + 1
             mgr.async_save(step + 1, {"app": app}, planner=dcp_cloud.BalancedSavePlanner())
     mgr.close()
-    table = torch.randn(64, 32, generator=torch.Generator().manual_seed(99))
+    table = torch.randn(1024, 512, generator=torch.Generator().manual_seed(99))
     return {"start": start, "found": found, "losses": losses, "table": torch.equal(model.frozen_table, table)}
 
 

@@ -2,41 +2,34 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
-
 from ..config import RetryConfig, TransferConfig
 from ..dcp.backend import Backend
-from ..dcp.layout import METADATA_NAME
 from ..dcp.staging import StagingConfig
 from ..dcp.typed import load as typed_load
-from ..dcp.typed import rank_error
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
-    DcpCloudError,
-    NotARunError,
     StepExistsError,
-    StepMismatchError,
 )
-from ..store.protocol import ObjectInfo, ObjectStore
+from ..store.protocol import ObjectStore
 from . import leases
 from .catalog import Directory
 from .group import Groups, exchange
 from .naming import StepNaming, check_step
 from .pending import InFlightSave, PendingSave
 from .policy import RetentionPolicy
+from .report import RunReport, describe, recorded_policy
 from .retention import InFlight, PassReport, Worker, run_pass
+from .saving import agree, conflict, copy_outcome, failure_of, plain, typed_save
 from .stepinfo import StepRecord, check_user_metadata
 from .storage import RunStorage, WriterOptions
+from .view import View
 
 log = logging.getLogger("dcp_cloud.run")
 
@@ -101,6 +94,7 @@ class CheckpointManager:
             raise ConfigError(f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}")
         #: Which committed steps stay (default: all of them).
         self.retention = retention or RetentionPolicy()
+        self._retention_given = retention is not None
         #: Save each step against the newest committed one (unchanged items are referenced, not uploaded).
         self.incremental = bool(incremental)
         self.naming = naming or StepNaming()
@@ -121,10 +115,8 @@ class CheckpointManager:
 
     def _start_runtime(self) -> None:
         self._lock = threading.Lock()
-        #: Rank 0's view of the committed steps (step -> directory); None until the first listing.
-        self._view: dict[int, Directory] | None = None
-        self._view_seq = 0
-        self._own_commits: dict[int, tuple[int, Directory]] = {}
+        #: Rank 0's view of the committed steps (rank 0 only lists; the other ranks hear its answers).
+        self._view = View(lambda: self._storage.catalog, self.root)
         self._pending: InFlightSave | None = None
         self._failure: BaseException | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -134,7 +126,7 @@ class CheckpointManager:
 
     # -- pickling: configuration only ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("retention", "incremental", "naming", "lease_ttl", "_storage", "_groups")
+        keep = ("retention", "_retention_given", "incremental", "naming", "lease_ttl", "_storage", "_groups")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -178,30 +170,6 @@ class CheckpointManager:
         return self._worker.last if self._worker is not None else None
 
     # -- rank 0's view of the run ---------------------------------------------------
-    def _list(self) -> dict[int, Directory]:
-        """List the root (rank 0) and make that the view."""
-        listing = self._storage.catalog.list()
-        if listing.root_is_checkpoint:
-            raise NotARunError(
-                f"{self.root} is itself a checkpoint (it holds .metadata), not the root of a run: give the manager "
-                "the directory above the steps, e.g. s3://bucket/run-7 for s3://bucket/run-7/step-00001000"
-            )
-        if listing.others and self._view is None:
-            log.info(
-                "%s holds %d committed checkpoint(s) that are not steps of this run (%s); they are left alone",
-                self.root,
-                len(listing.others),
-                ", ".join(sorted(listing.others)[:5]),
-            )
-        with self._lock:
-            self._view = dict(listing.steps)
-        return dict(listing.steps)
-
-    def _current(self, refresh: bool = False) -> dict[int, Directory]:
-        with self._lock:
-            view = None if self._view is None else dict(self._view)
-        return self._list() if view is None or refresh else view
-
     def _collective(self, work: Any) -> list[Any]:
         if self._groups.shared:
             self._settle_pending(raise_failure=False)
@@ -217,14 +185,14 @@ class CheckpointManager:
             return mine, (work() if lead else None)
 
         gathered = self._collective(both)
-        _agree([g[0] for g in gathered])
+        agree([g[0] for g in gathered])
         return gathered[0][1]
 
     def steps(self, *, refresh: bool = False) -> list[int]:
         """The committed steps, oldest first. The first call lists the root (rank 0; later calls answer from
         what the manager saw and did since; ``refresh=True`` lists again)."""
         self._check_open()
-        return sorted(self._rank0(lambda: list(self._current(refresh))))
+        return sorted(self._rank0(lambda: list(self._view.current(refresh))))
 
     def latest_step(self, *, refresh: bool = False) -> int | None:
         """The newest committed step, or None when the run has none."""
@@ -241,11 +209,30 @@ class CheckpointManager:
 
         return self._rank0(read, lambda: check_step(step))
 
+    def describe(self) -> RunReport:
+        """The run's steps (committed and partial), each with why retention keeps it, or that the next pass drops
+        it; its size, record and readers. Lists the root anew. The rules are this manager's when it was given
+        ``retention=``, else those recorded with the newest step (what the job that saves the run applies)."""
+        self._check_open()
+
+        def work() -> RunReport:
+            catalog = self._storage.catalog
+            listing = catalog.list()
+            if listing.root_is_checkpoint:
+                self._view.relist()  # raises NotARunError
+            policy, source = self.retention, "given"
+            if not self._retention_given:
+                recorded, source = recorded_policy(catalog, listing)
+                policy = recorded or self.retention
+            return describe(catalog, listing, policy, source, self.root, self._storage.step_uri, self.lease_ttl)
+
+        return self._rank0(work)
+
     def _directory_of(self, step: int) -> Directory:
         """The directory of committed ``step`` (rank 0); CheckpointNotFoundError naming the steps there are."""
-        view = self._current()
+        view = self._view.current()
         if step not in view:
-            view = self._current(refresh=True)  # another job may have committed it since
+            view = self._view.current(refresh=True)  # another job may have committed it since
         if step not in view:
             have = sorted(view)
             raise CheckpointNotFoundError(
@@ -272,7 +259,7 @@ class CheckpointManager:
         """
         pending = self._begin(step, metadata, overwrite)
         try:
-            typed_save(_plain(state), pending.writer, planner, self._groups.saves() if self._groups.active else None)
+            typed_save(plain(state), pending.writer, planner, self._groups.saves() if self._groups.active else None)
         except BaseException as exc:
             self._settle(pending, exc, keep=False)
             raise self._failure_of(pending, exc) from exc
@@ -295,14 +282,14 @@ class CheckpointManager:
         group = self._groups.saves() if self._groups.active else None
         staging_error: BaseException | None = None
         try:
-            staged: Any = pending.writer.stage(_plain(state))
+            staged: Any = pending.writer.stage(plain(state))
         except Exception as exc:  # noqa: BLE001 - carried into the save, where torch hands it to every rank
             log.error("staging step %d failed: %s", pending.step, exc)
             staging_error, staged = exc, {}
         if staging_error is not None:
             pending.staged.set_exception(staging_error)
         elif isinstance(staged, Future):
-            staged.add_done_callback(lambda f: _copy_outcome(f, pending.staged))
+            staged.add_done_callback(lambda f: copy_outcome(f, pending.staged))
         else:
             pending.staged.set_result(None)
         with self._lock:
@@ -346,7 +333,7 @@ class CheckpointManager:
             self.retention.metric_of(number, info)
             if overwrite and self._worker is not None:
                 self._worker.wait()  # a pass must not clean up beside an overwrite of a committed step
-            view = self._current()
+            view = self._view.current()
             latest = max(view) if view else None
             if latest is not None and number <= latest and not overwrite:
                 what = "is already committed" if number in view else f"is below the newest committed step {latest}"
@@ -371,7 +358,7 @@ class CheckpointManager:
         try:
             writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
         except CheckpointExistsError as exc:
-            raise self._conflict(int(step), exc) from exc
+            raise conflict(self.root, int(step), exc) from exc
         pending = InFlightSave(int(step), name, base, writer)
         with self._lock:
             self._pending = pending
@@ -400,13 +387,7 @@ class CheckpointManager:
             return
         if self._groups.rank() == 0:
             record = getattr(pending.writer, "written", None)
-            meta = ObjectInfo(self._storage.catalog.key(pending.name, METADATA_NAME), 0)
-            d = Directory(pending.name, pending.step, [meta], metadata=meta)
-            with self._lock:
-                self._view_seq += 1
-                self._own_commits[pending.step] = (self._view_seq, d)
-                if self._view is not None:
-                    self._view[pending.step] = d
+            self._view.committed(pending.step, pending.name)
             if isinstance(record, StepRecord):
                 self._storage.catalog.remember(pending.name, record)
             self._request_retention()
@@ -414,32 +395,7 @@ class CheckpointManager:
         log.info("committed step %d of %s", pending.step, self.root)
 
     def _failure_of(self, pending: InFlightSave, error: BaseException) -> BaseException:
-        """The error to raise for ``pending``'s failure: dcp_cloud's typed error out of torch's
-        CheckpointException, its message saying which step's save failed."""
-        if isinstance(error, CheckpointException):
-            typed = rank_error(error, self._groups.rank() if self._groups.active else None)
-            error = typed if typed is not None else error
-        if isinstance(error, CheckpointExistsError) and not isinstance(error, StepExistsError):
-            return self._conflict(pending.step, error)
-        if not isinstance(error, DcpCloudError) or str(error).startswith("the save of step"):
-            return error
-        try:
-            named = copy.copy(error)
-            named.args = (f"the save of step {pending.step} failed: {error}",)
-        except Exception:  # noqa: BLE001 - as it came
-            return error
-        named.__cause__ = error
-        return named
-
-    def _conflict(self, step: int, error: BaseException) -> StepExistsError:
-        """StepExistsError for a step another job committed after this manager listed the run."""
-        named = StepExistsError(
-            f"step {step} of {self.root} was committed by another job after this manager listed the run (two jobs "
-            f"are saving to one run?): {error}. Stop the other job, or give each job its own root",
-            step,
-        )
-        named.__cause__ = error
-        return named
+        return failure_of(self.root, pending.step, error, self._groups.rank() if self._groups.active else None)
 
     def _settle_pending(self, raise_failure: bool) -> None:
         """Wait for the save in flight (if any) and, with ``raise_failure``, raise a failure not raised yet."""
@@ -467,9 +423,9 @@ class CheckpointManager:
         worker.request(uploads=uploads)
 
     def _retention_pass(self, uploads: bool) -> PassReport:
+        seq = self._view.seq
         with self._lock:
             pending = self._pending
-            seq = self._view_seq
         in_flight = InFlight(pending.name, pending.base) if pending is not None else None
         report = run_pass(
             self._storage.catalog,
@@ -478,14 +434,8 @@ class CheckpointManager:
             lease_ttl=self.lease_ttl,
             uploads=self._storage.pending_uploads if uploads else None,
         )
-        listing = report.listing
-        if listing is not None and not listing.root_is_checkpoint:
-            with self._lock:
-                view = {s: d for s, d in listing.steps.items() if s not in report.dropped}
-                for step, (at, d) in self._own_commits.items():
-                    if at > seq:
-                        view[step] = d
-                self._view = view
+        if report.listing is not None:
+            self._view.after_pass(report.listing, report.dropped, seq)
         return report
 
     # -- load -------------------------------------------------------------------------
@@ -508,7 +458,7 @@ class CheckpointManager:
 
         def choose() -> tuple[int, str] | None:
             if step is None:
-                view = self._current(refresh)
+                view = self._view.current(refresh)
                 if not view:
                     return None
                 chosen = max(view)
@@ -570,48 +520,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError(f"the checkpoint manager of {self.root} is closed; build a new one")
-
-
-def typed_save(state: dict[str, Any], writer: Any, planner: Any, group: Any) -> Any:
-    """``dcp.save`` raising dcp_cloud's errors as themselves (see :mod:`dcp_cloud.dcp.typed`)."""
-    try:
-        return dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
-    except CheckpointException as exc:
-        import torch.distributed as dist
-
-        rank = int(dist.get_rank(group)) if group is not None else None
-        typed = rank_error(exc, rank)
-        if typed is None:
-            raise
-        raise typed from exc
-
-
-def _plain(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with each ``Stateful`` replaced by its ``state_dict()`` (what ``dcp.async_save`` stages)."""
-    if not isinstance(state, dict):
-        raise ConfigError(f"state must be a dict (state dicts, Stateful objects), got {type(state).__name__}")
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-
-
-def _copy_outcome(source: Future[Any], target: Future[None]) -> None:
-    if target.done():
-        return
-    error = source.exception()
-    if error is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(None)
-
-
-def _agree(values: list[Any]) -> None:
-    """StepMismatchError (on every rank alike) unless every rank passed the same arguments."""
-    first = values[0]
-    for rank, value in enumerate(values):
-        if value != first:
-            raise StepMismatchError(
-                f"the ranks disagree: rank 0 passed {first!r} and rank {rank} passed {value!r}; every rank must call "
-                "the checkpoint manager with the same step (and overwrite) at the same point of the loop"
-            )
 
 
 __all__ = ["LEASE_TTL", "CheckpointManager"]

@@ -35,6 +35,13 @@ class StepWriter(CloudWriter):
     the objects and the world size are filled in from the save's results.
     """
 
+    #: A step references unchanged items of its base only where this rank's unchanged items hold at least a
+    #: quarter of the base object they are in, and 1 MiB: a reference keeps the base step whole for as long as
+    #: a kept step needs it, which is worth it for frozen layers and a base model under adapters, not for a few
+    #: unchanged bytes (an optimizer's pickled param groups) in a step of gigabytes.
+    _reference_min_fraction = 0.25
+    _reference_min_bytes = 1 << 20
+
     def __init__(
         self, checkpoint_id: str | os.PathLike[str], backend: Backend, *, record: dict[str, Any], **kwargs: Any
     ) -> None:
