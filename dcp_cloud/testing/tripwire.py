@@ -50,6 +50,8 @@ class Tripwire:
     action: str = "kill"
     #: ``"before"`` the request reaches the store, or ``"after"`` it was done.
     when: str = "before"
+    #: Tells otherwise equal wires apart (each counts its own matches), e.g. in one process running many cases.
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if self.action not in ("kill", "fail") or self.when not in ("before", "after") or self.nth < 1:
