@@ -457,3 +457,18 @@ def test_cli_steps_shows_what_is_kept_and_why(s3_bucket: str, capsys: Any) -> No
     assert "best_metric" in capsys.readouterr().err
     assert main(["steps", f"{root}/step-00000100"]) == 1  # a checkpoint, not a run
     assert "itself a checkpoint" in capsys.readouterr().err
+
+
+def test_a_job_that_cannot_write_still_loads(run_root: Path, caplog: Any) -> None:
+    """A reader's lease is a protection, not data: a job with read-only access loads without one."""
+    mgr = CheckpointManager(str(run_root))
+    mgr.save(1, state_at(1))
+    mgr.close()
+    wire = Tripwire("put", "*/.readers/*", action="fail", tag="read-only")
+    reader = CheckpointManager(str(run_root), backend=TripwireBackend(LocalBackend(), (wire,)))
+    target = empty_state()
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud.run"):
+        assert reader.load(target) == 1
+    same(target, state_at(1))
+    assert "without a reader's lease" in caplog.text
+    reader.close()

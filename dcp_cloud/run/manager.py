@@ -15,6 +15,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
+    DcpCloudError,
     StepExistsError,
 )
 from ..store.protocol import ObjectStore
@@ -467,7 +468,16 @@ class CheckpointManager:
                 chosen = check_step(step)
                 name = self._directory_of(chosen).name
             catalog = self._storage.catalog
-            held.append(leases.take(catalog.store, catalog.list_prefix, name, chosen, self.lease_ttl))
+            try:
+                held.append(leases.take(catalog.store, catalog.list_prefix, name, chosen, self.lease_ttl))
+            except DcpCloudError as exc:  # e.g. read-only credentials: the load goes on without the protection
+                log.warning(
+                    "loading step %d of %s without a reader's lease (it could not be written: %s); the retention "
+                    "of the job that saves this run could delete the step while it loads",
+                    chosen,
+                    self.root,
+                    exc,
+                )
             return chosen, name
 
         try:
