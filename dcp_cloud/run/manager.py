@@ -277,8 +277,9 @@ class CheckpointManager:
         planner: Any = None,
     ) -> PendingSave:
         """Copy ``state`` (the writer's staging, as ``dcp.async_save`` does) and save it as ``step`` in the
-        background; returns once training may change the state again. Same rules as :meth:`save`; the upload's
-        failure is raised by the next save, :meth:`wait` or :meth:`close`."""
+        background; returns once training may change the state again (with ``StagingConfig(background=True)``,
+        once the returned handle's ``staged()`` returns). Same rules as :meth:`save`; the upload's failure is
+        raised by the next save, :meth:`wait` or :meth:`close`."""
         pending = self._begin(step, metadata, overwrite)
         group = self._groups.saves() if self._groups.active else None
         staging_error: BaseException | None = None
