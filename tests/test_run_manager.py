@@ -472,3 +472,18 @@ def test_a_job_that_cannot_write_still_loads(run_root: Path, caplog: Any) -> Non
     same(target, state_at(1))
     assert "without a reader's lease" in caplog.text
     reader.close()
+
+
+def test_background_staging(run_root: Path) -> None:
+    from dcp_cloud import StagingConfig
+
+    mgr = CheckpointManager(str(run_root), staging=StagingConfig(background=True))
+    state = state_at(1)
+    pending = mgr.async_save(1, state)
+    pending.staged()  # from here training may change the state
+    state["w"].add_(1.0)
+    assert pending.result() == 1
+    target = empty_state()
+    assert mgr.load(target) == 1
+    same(target, state_at(1))
+    mgr.close()
