@@ -332,34 +332,20 @@ def test_a_step_being_read_is_kept_until_its_lease_expires(run_root: Path) -> No
     mgr.close()
 
 
-def test_loads_hold_a_lease_while_they_read(run_root: Path) -> None:
-    seen: list[set[str]] = []
-
-    class Spy(dict):  # a state dict whose load sees the leases
-        pass
+def test_loads_hold_a_lease_while_they_read(run_root: Path, monkeypatch: Any) -> None:
+    import torch.distributed.checkpoint as dcp
 
     mgr = CheckpointManager(str(run_root))
     mgr.save(1, state_at(1))
-    target = empty_state()
-    original = target["w"]
-
-    class Watch(torch.Tensor):
-        pass
-
-    assert original is not None
-    import torch.distributed.checkpoint as dcp
-
+    seen: list[set[str]] = []
     real_load = dcp.load
 
-    def spying_load(*args: Any, **kwargs: Any) -> Any:
+    def spying_load(*args: Any, **kwargs: Any) -> Any:  # what the root holds while the data is read
         seen.append(files(run_root / ".readers"))
         return real_load(*args, **kwargs)
 
-    dcp.load = spying_load
-    try:
-        mgr.load(target)
-    finally:
-        dcp.load = real_load
+    monkeypatch.setattr(dcp, "load", spying_load)
+    mgr.load(empty_state())
     assert len(seen) == 1 and len(seen[0]) == 1 and next(iter(seen[0])).startswith("step-00000001/")
     assert files(run_root / ".readers") == set()  # released after the load
     assert mgr.requests["put"] == 1 and mgr.requests["delete"] == 1
