@@ -25,6 +25,14 @@ On GCS (bench_peers_gcs.py; ``dcp_cloud`` is then ``GCSWriter`` / ``GCSReader``)
 * ``wire_gcs``    google-cloud-storage's one-blob upload and download of the same bytes, with the
   library's defaults (100 MiB resumable chunks up, one streamed GET down; one process only).
 
+On Azure (bench_peers_azure.py; ``dcp_cloud`` is then ``AzureWriter`` / ``AzureReader``):
+
+* ``adlfs_t4``    torch's stock ``FsspecWriter(thread_count=4)`` / ``FsspecReader`` over adlfs
+  (``abfs://container/prefix``, the connection string as a storage option);
+* ``msc_t4``      multi-storage-client's DCP integration (``MultiStorageFileSystemWriter`` /
+  ``MultiStorageFileSystemReader``, ``thread_count=4``) over its Azure provider (azure-storage-blob), a
+  profile of its JSON configuration (``MSC_CONFIG``) naming the container and the connection string.
+
 s3torchconnector and s3fs each live in their own ``pip install --target``
 directory under the cache (``$DCP_CLOUD_BENCH_CACHE`` or
 ``~/.cache/dcp-cloud-bench``), put first on ``sys.path`` in their own child
@@ -49,6 +57,8 @@ S3FS_VERSION = "2026.9.0"
 S3FS_BOTOCORE = "1.43.117"
 GCSFS_VERSION = "2026.10.1"
 DATAFLUX_VERSION = "1.4.0"
+ADLFS_VERSION = "2026.8.0"
+MSC_VERSION = "1.3.1"
 #: What gcs-torch-dataflux imports beyond this environment, installed --no-deps beside it.
 DATAFLUX_PACKAGES = (
     f"gcs-torch-dataflux=={DATAFLUX_VERSION}", "google-cloud-storage==2.19.0", "absl-py==2.5.1",
@@ -60,7 +70,10 @@ FSSPEC = ("fsspec_t4",)
 GCSFS = ("gcsfs_t4",)
 DATAFLUX = ("dataflux",)
 GCS_PEERS = (*GCSFS, *DATAFLUX)
-PEERS = (*S3TC, *FSSPEC, *GCS_PEERS)
+ADLFS = ("adlfs_t4",)
+MSC = ("msc_t4",)
+AZURE_PEERS = (*ADLFS, *MSC)
+PEERS = (*S3TC, *FSSPEC, *GCS_PEERS, *AZURE_PEERS)
 CLOUD = ("dcp_cloud", "dcp_cloud_ref", "wire", "wire_gcs", *PEERS)
 LOCAL_DISK = ("stock_fs_t1",)
 ALL = ("dcp_cloud", *PEERS, "wire", "wire_gcs", *LOCAL_DISK, "dcp_cloud_ref")
@@ -77,7 +90,11 @@ LABELS = {
     "gcsfs_t4": f"FsspecWriter+gcsfs {GCSFS_VERSION} t=4",
     "dataflux": f"gcs-torch-dataflux {DATAFLUX_VERSION} (loads gcsfs's saves)",
     "wire_gcs": "wire (google-cloud-storage, one blob)",
+    "adlfs_t4": f"FsspecWriter+adlfs {ADLFS_VERSION} t=4",
+    "msc_t4": f"multi-storage-client {MSC_VERSION} t=4",
 }
+#: The multi-storage-client profile the Azure race configures (bench_peers_azure.py writes MSC_CONFIG).
+MSC_PROFILE = "bench"
 
 
 def cache_dir() -> str:
@@ -98,6 +115,14 @@ def gcsfs_target() -> str:
 
 def dataflux_target() -> str:
     return os.path.join(cache_dir(), f"dataflux-{DATAFLUX_VERSION}")
+
+
+def adlfs_target() -> str:
+    return os.path.join(cache_dir(), f"adlfs-{ADLFS_VERSION}")
+
+
+def msc_target() -> str:
+    return os.path.join(cache_dir(), f"msc-{MSC_VERSION}")
 
 
 def _pip_target(target: str, marker: str, packages: list[str], *, no_deps: bool) -> None:
@@ -129,6 +154,13 @@ def install(contenders: list[str]) -> dict[str, str]:
     if any(c in DATAFLUX for c in contenders):
         _pip_target(dataflux_target(), "dataflux_pytorch", list(DATAFLUX_PACKAGES), no_deps=True)
         out.update(dict.fromkeys(DATAFLUX, dataflux_target()))
+    if any(c in ADLFS for c in contenders):
+        _pip_target(adlfs_target(), "adlfs", [f"adlfs=={ADLFS_VERSION}"], no_deps=False)
+        out.update(dict.fromkeys(ADLFS, adlfs_target()))
+    if any(c in MSC for c in contenders):
+        _pip_target(msc_target(), "multistorageclient", [f"multi-storage-client[azure-storage-blob]=={MSC_VERSION}"],
+                    no_deps=False)  # fmt: skip
+        out.update(dict.fromkeys(MSC, msc_target()))
     return out
 
 
@@ -153,6 +185,14 @@ def preload(spec: dict[str, Any]) -> None:
         import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
     elif c in DATAFLUX:
         import dataflux_pytorch.lightning  # noqa: F401
+    elif c in ADLFS:
+        import adlfs  # noqa: F401
+        import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+    elif c in MSC:
+        import multistorageclient.contrib.torch.filesystem  # noqa: F401
+    elif spec.get("backend") == "azure":
+        import dcp_cloud  # noqa: F401
+        import dcp_cloud.store.azure  # noqa: F401 - its client is built on first use, as the peers' are
     elif spec.get("backend") == "gcs":
         import google.cloud.storage  # noqa: F401 - dcp_cloud builds its GCS client from it, on first use
 
@@ -194,13 +234,39 @@ def _gcsfs_kwargs() -> dict[str, Any]:
     return {"endpoint_url": os.environ["STORAGE_EMULATOR_HOST"], "token": "anon"}
 
 
+def _classes(spec: dict[str, Any]) -> tuple[Any, Any]:
+    import dcp_cloud
+
+    backend = spec.get("backend")
+    if backend == "gcs":
+        return dcp_cloud.GCSWriter, dcp_cloud.GCSReader
+    if backend == "azure":
+        return dcp_cloud.AzureWriter, dcp_cloud.AzureReader
+    return dcp_cloud.S3Writer, dcp_cloud.S3Reader
+
+
+def _azure_uri(spec: dict[str, Any], contender: str) -> str:
+    """The contender's URI of ``az://container/prefix``: abfs:// for adlfs, msc://profile/prefix for MSC
+    (whose profile names the container)."""
+    rest = spec["uri"].split("://", 1)[1]
+    if contender in ADLFS:
+        return f"abfs://{rest}"
+    return f"msc://{MSC_PROFILE}/{rest.split('/', 1)[1]}"
+
+
 def make_writer(spec: dict[str, Any]) -> Any:
     c = spec["contender"]
     if c in ("dcp_cloud", "dcp_cloud_ref"):
-        import dcp_cloud
+        return _classes(spec)[0](spec["uri"], transfer=_transfer(spec))
+    if c in ADLFS:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        cls = dcp_cloud.GCSWriter if spec.get("backend") == "gcs" else dcp_cloud.S3Writer
-        return cls(spec["uri"], transfer=_transfer(spec))
+        cs = os.environ["AZURE_STORAGE_CONNECTION_STRING"]
+        return FsspecWriter(_azure_uri(spec, c), thread_count=_threads(c), connection_string=cs)
+    if c in MSC:
+        from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemWriter
+
+        return MultiStorageFileSystemWriter(_azure_uri(spec, c), thread_count=_threads(c))
     if c in S3TC:
         from s3torchconnector.dcp import S3StorageWriter
 
@@ -223,10 +289,15 @@ def make_writer(spec: dict[str, Any]) -> Any:
 def make_reader(spec: dict[str, Any]) -> Any:
     c = spec["contender"]
     if c in ("dcp_cloud", "dcp_cloud_ref"):
-        import dcp_cloud
+        return _classes(spec)[1](spec["uri"], transfer=_transfer(spec))
+    if c in ADLFS:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        cls = dcp_cloud.GCSReader if spec.get("backend") == "gcs" else dcp_cloud.S3Reader
-        return cls(spec["uri"], transfer=_transfer(spec))
+        return FsspecReader(_azure_uri(spec, c), connection_string=os.environ["AZURE_STORAGE_CONNECTION_STRING"])
+    if c in MSC:
+        from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemReader
+
+        return MultiStorageFileSystemReader(_azure_uri(spec, c), thread_count=_threads(c))
     if c in S3TC:
         from s3torchconnector.dcp import S3StorageReader
 

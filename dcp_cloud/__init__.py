@@ -1,4 +1,4 @@
-"""dcp_cloud: Amazon S3 and Google Cloud Storage homes for PyTorch Distributed Checkpoint.
+"""dcp_cloud: Amazon S3, Google Cloud Storage and Azure Blob Storage homes for PyTorch Distributed Checkpoint.
 
 >>> import torch.distributed.checkpoint as dcp
 >>> from dcp_cloud import S3Writer, S3Reader
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from .config import RetryConfig, TransferConfig
-from .dcp.api import GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
+from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
 from .dcp.reader import CloudReader
 from .dcp.staging import StagingConfig, free_staging_pool
 from .dcp.typed import load, save, typed_errors
@@ -26,6 +26,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     DcpCloudError,
+    DeviceCopyError,
     InvalidStepError,
     InvalidURIError,
     MissingMetricError,
@@ -59,6 +60,7 @@ from .maintenance import (
 from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
 from .run import CheckpointManager, PendingSave, RetentionPolicy, StepNaming
+from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.clients import close_clients
 from .transfer.stats import TransferStats
 
@@ -68,6 +70,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "AzureReader",
+    "AzureWriter",
     "BalancedSavePlanner",
     "BucketNotFoundError",
     "CheckpointExistsError",
@@ -82,6 +86,8 @@ __all__ = [
     "CopyReport",
     "CorruptCheckpointError",
     "DcpCloudError",
+    "DeviceCopyError",
+    "ExportReport",
     "GCReport",
     "GCSReader",
     "GCSWriter",
@@ -103,6 +109,7 @@ __all__ = [
     "RetryConfig",
     "S3Reader",
     "S3Writer",
+    "SafetensorsReader",
     "ScaleLoadPlanner",
     "StagingConfig",
     "StepExistsError",
@@ -118,6 +125,7 @@ __all__ = [
     "VerifyReport",
     "close_clients",
     "copy_checkpoint",
+    "export_safetensors",
     "free_staging_pool",
     "gc",
     "inspect_checkpoint",

@@ -77,6 +77,12 @@ class ChecksumMismatchError(CorruptCheckpointError):
     """Bytes read back do not match the checksum recorded at save time."""
 
 
+class DeviceCopyError(DcpCloudError, RuntimeError):
+    """Copying tensor bytes between a device (CUDA) and host memory failed after the copies had started
+    (a save then commits nothing; a load's destinations are incomplete). Setting the copy paths up never
+    raises it: where they cannot be set up, dcp_cloud takes the plain path with one warning."""
+
+
 class TransientStoreError(DcpCloudError, OSError):
     """A retryable fault (throttling, 5xx, reset, timeout) that outlived the retry budget."""
 
@@ -135,6 +141,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DcpCloudError",
+    "DeviceCopyError",
     "InvalidStepError",
     "InvalidURIError",
     "MissingMetricError",

@@ -1,4 +1,8 @@
-"""Checkpoint URIs: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///dir``."""
+"""Checkpoint URIs: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``, ``file:///dir``.
+
+Azure's blob URLs (``https://<account>.blob.core.windows.net/container/prefix``) are accepted where ``az``
+is: :func:`split_azure_url` turns one into ``az://container/prefix`` and the account's endpoint.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +55,34 @@ def join_key(prefix: str, relative: str) -> str:
     return normal
 
 
+def split_azure_url(uri: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(az://container/prefix, endpoint)`` of an Azure blob URL ``https://<account>.blob.<suffix>/container/
+    prefix`` (public, sovereign and private-link endpoints alike), or None for anything else.
+
+    A URL with a query (a SAS token pasted with it) raises InvalidURIError: the token must not travel in a
+    URI that is logged and recorded; put it in ``AZURE_STORAGE_SAS_TOKEN``.
+    """
+    text = os.fspath(uri)
+    if not isinstance(text, str):
+        return None
+    match = re.match(r"^https://([a-z0-9]{3,24})\.blob\.([a-z0-9.-]+)(/[^?#]*)?([?#].*)?$", text, re.IGNORECASE)
+    if match is None:
+        return None
+    if match.group(4):
+        raise InvalidURIError(
+            "an Azure blob URL with a query or fragment (a SAS token?) cannot be a checkpoint URI: it would be "
+            "logged and recorded; give the URL without it and put the token in AZURE_STORAGE_SAS_TOKEN"
+        )
+    account, suffix, path = match.group(1).lower(), match.group(2).lower(), (match.group(3) or "")
+    return f"az://{path.lstrip('/')}", f"https://{account}.blob.{suffix}"
+
+
+def _azure_container_problem(name: str) -> str | None:
+    from .store.azure.config import container_problem
+
+    return container_problem(name)
+
+
 def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> CheckpointURI:
     """Parse ``uri`` and check its scheme is one of ``schemes``.
 
@@ -70,6 +102,10 @@ def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> Checkpoi
             f"malformed checkpoint URI {text!r}: expected {expected}<bucket>/<prefix>, "
             f"e.g. {schemes[0]}://my-bucket/run-7/step-1000"
         )
+    if "az" in schemes:
+        azure = split_azure_url(text)
+        if azure is not None:
+            text = azure[0]  # the account's endpoint is taken by the writer/reader when it is built
     if "file" in schemes and text and "://" not in text:
         text = "file://" + os.path.abspath(text)  # a plain directory path, as stock FileSystemWriter takes
     match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", text)
@@ -94,7 +130,14 @@ def parse_uri(uri: str | os.PathLike[str], schemes: tuple[str, ...]) -> Checkpoi
     prefix = prefix.strip("/")
     if not bucket:
         raise InvalidURIError(f"checkpoint URI {text!r} names no bucket: expected {scheme}://<bucket>/<prefix>")
-    if not _BUCKET.match(bucket):
+    if scheme == "az":
+        problem = _azure_container_problem(bucket)
+        if problem is not None:
+            raise InvalidURIError(
+                f"checkpoint URI {text!r}: {bucket!r} is not a valid Azure container name ({problem}); "
+                "e.g. az://checkpoints/run-7/step-1000"
+            )
+    elif not _BUCKET.match(bucket):
         raise InvalidURIError(
             f"checkpoint URI {text!r}: {bucket!r} is not a valid bucket name "
             "(3-222 characters: lowercase letters, digits, '.', '-', '_')"

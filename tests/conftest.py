@@ -1,9 +1,10 @@
-"""Shared fixtures: ``backend``, one object-store backend (S3 on moto, GCS on fake-gcs-server) per param.
+"""Shared fixtures: ``backend``, one object-store backend (S3 on moto, GCS on fake-gcs-server, Azure on Azurite)
+per param.
 
 Servers are session-scoped (the ``dcp_cloud`` pytest plugin starts them once);
 every test gets a fresh bucket. The helpers that move or inspect objects
 (``download``, ``upload``, ``keys``, ``delete``, ``put``) use the plain SDKs
-(boto3 / google-cloud-storage), never dcp_cloud code, so they can check it.
+(boto3 / google-cloud-storage / azure-storage-blob), never dcp_cloud code, so they can check it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any
 
 import pytest
 
-from dcp_cloud import GCSReader, GCSWriter, S3Reader, S3Writer, close_clients
+from dcp_cloud import AzureReader, AzureWriter, GCSReader, GCSWriter, S3Reader, S3Writer, close_clients
 
 HAVE_GCS = importlib.util.find_spec("dcp_cloud.testing.gcs_fixtures") is not None
-BACKENDS = ["s3", "gcs"] if HAVE_GCS else ["s3"]
+BACKENDS = ["s3", "gcs", "azure"] if HAVE_GCS else ["s3", "azure"]
+#: Writer and reader class of each backend name.
+CLASSES = {"s3": (S3Writer, S3Reader), "gcs": (GCSWriter, GCSReader), "azure": (AzureWriter, AzureReader)}
 
 
 def _split(uri: str) -> tuple[str, str]:
@@ -43,11 +46,11 @@ class Backend:
     def uri(self, prefix: str = "ckpt") -> str:
         return f"{self.scheme}://{self.bucket}/{prefix.strip('/')}"
 
-    def writer(self, uri: str, **kw: Any) -> S3Writer | GCSWriter:
-        return (S3Writer if self.name == "s3" else GCSWriter)(uri, **kw)
+    def writer(self, uri: str, **kw: Any) -> S3Writer | GCSWriter | AzureWriter:
+        return CLASSES[self.name][0](uri, **kw)
 
-    def reader(self, uri: str, **kw: Any) -> S3Reader | GCSReader:
-        return (S3Reader if self.name == "s3" else GCSReader)(uri, **kw)
+    def reader(self, uri: str, **kw: Any) -> S3Reader | GCSReader | AzureReader:
+        return CLASSES[self.name][1](uri, **kw)
 
     # -- plain-SDK helpers ---------------------------------------------------
     def keys(self, uri: str) -> list[str]:
@@ -133,6 +136,25 @@ class _GCSClient:
         self.client.bucket(bucket).blob(key).delete()
 
 
+class _AzureSDK:
+    def __init__(self, connection_string: str) -> None:
+        from azure.storage.blob import BlobServiceClient
+
+        self.client = BlobServiceClient.from_connection_string(connection_string)
+
+    def list(self, bucket: str, prefix: str) -> list[str]:
+        return [b.name for b in self.client.get_container_client(bucket).list_blobs(name_starts_with=prefix)]
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self.client.get_blob_client(bucket, key).upload_blob(data, overwrite=True)
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self.client.get_blob_client(bucket, key).download_blob().readall()
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.client.get_blob_client(bucket, key).delete_blob()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fuzz-cases",
@@ -151,7 +173,8 @@ def _fresh_clients() -> Any:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> Backend:
-    """A fresh bucket on one backend ("s3": moto server, "gcs": fake-gcs-server), env pointed at it."""
+    """A fresh bucket on one backend ("s3": moto server, "gcs": fake-gcs-server, "azure": Azurite), env pointed
+    at it."""
     if request.param == "s3":
         from dcp_cloud.testing.moto_server import moto_env
 
@@ -160,6 +183,10 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         env = moto_env(server)
         env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
         return Backend("s3", "s3", bucket, env, _Boto3(server.endpoint_url))
+    if request.param == "azure":
+        env = dict(request.getfixturevalue("azure_env"))  # sets AZURE_STORAGE_CONNECTION_STRING in this process
+        container = request.getfixturevalue("azure_container")
+        return Backend("azure", "az", container, env, _AzureSDK(env["AZURE_STORAGE_CONNECTION_STRING"]))
     emulator = request.getfixturevalue("gcs_emulator")
     env = dict(request.getfixturevalue("gcs_env"))  # sets STORAGE_EMULATOR_HOST in this process
     bucket = request.getfixturevalue("gcs_bucket")

@@ -117,7 +117,7 @@ def test_verify_reports_a_corrupted_object(bucket_with_checkpoints: str, capsys:
         ["gc", "s3://bucket/run", "--older-than", "soon"],
         ["gc", "s3://bucket/run", "--older-than", "-5"],
         ["demo", "--save-ranks", "0"],
-        ["demo", "--backend", "azure"],
+        ["demo", "--backend", "minio"],
         ["ls", "ftp://bucket/run"],
         ["ls", "s3://bucket/run", "--project", "p"],
     ],

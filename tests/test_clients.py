@@ -144,8 +144,25 @@ def test_a_writer_opens_its_connections_before_its_first_parallel_puts(moto_serv
         assert proxy.snapshot().connections <= 3  # and no more than its concurrency
 
 
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[str, str], backend: str) -> None:
+def test_an_azure_reader_opens_its_connections_while_its_first_request_is_on_its_way(
+    azurite_server: Any, azure_env: dict[str, str], azure_container: str
+) -> None:
+    from dcp_cloud import AzureReader, AzureWriter
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    dcp.save(state, storage_writer=AzureWriter(f"az://{azure_container}/step-1"))
+    with FaultProxy(azurite_server.endpoint, shaping=Shaping(latency=0.05)) as proxy:
+        endpoint = f"{proxy.url}/{azurite_server.account}"
+        reader = AzureReader(
+            f"az://{azure_container}/step-1", endpoint=endpoint, transfer=TransferConfig(concurrency=4)
+        )
+        _load_sees_warm_connections(proxy, reader, state)
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
+def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(
+    s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -153,6 +170,12 @@ def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(s3_env: dict[
     store: Any
     if backend == "s3":
         store = S3Store("bucket", S3Config(endpoint_url=endpoint), request_timeout=2.0)
+    elif backend == "azure":
+        from dcp_cloud.store.azure import AzureConfig, AzureStore
+        from dcp_cloud.testing.azurite import KEY
+
+        monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
+        store = AzureStore("bucket", AzureConfig(endpoint=f"{endpoint}/devstoreaccount1"), request_timeout=2.0)
     else:
         store = GCSStore("bucket", GCSConfig(endpoint=endpoint), request_timeout=2.0)
     started = time.monotonic()

@@ -322,9 +322,9 @@ def _async_process_save(rank: int, world_size: int, name: str, uri: str) -> None
 
     import torch.distributed.checkpoint as dcp
 
-    from dcp_cloud import GCSWriter, S3Writer
+    from dcp_cloud import AzureWriter, GCSWriter, S3Writer
 
-    writer = (S3Writer if name == "s3" else GCSWriter)(uri)
+    writer = {"s3": S3Writer, "gcs": GCSWriter, "azure": AzureWriter}[name](uri)
     state = {"w": torch.arange(48, dtype=torch.float32).reshape(6, 8), "step": 9}
     fut = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     _result(fut)
@@ -364,8 +364,11 @@ class _ConfigOnly(pickle.Unpickler):
 
 
 def test_writer_and_reader_pickle_without_clients(backend, monkeypatch: pytest.MonkeyPatch, assert_same) -> None:
+    secret = SECRET
     if backend.name == "s3":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any key
+    if backend.name == "azure":
+        from dcp_cloud.testing.azurite import KEY as secret  # Azurite checks its one key
     uri = backend.uri("pickled")
     writer = backend.writer(uri)
     state = {"w": torch.randn(8, 4)}
@@ -374,7 +377,7 @@ def test_writer_and_reader_pickle_without_clients(backend, monkeypatch: pytest.M
     dcp.load({"w": torch.zeros(8, 4)}, storage_reader=reader)
     for obj in (writer, reader):
         data = pickle.dumps(obj)
-        assert SECRET.encode() not in data
+        assert secret.encode() not in data
         classes = _ConfigOnly.classes_in(data)  # no SDK client, session, lock or credentials object
         # dcp_cloud's own config, plus (reader) torch's Metadata it fetched; no SDK objects.
         foreign = sorted(c for c in classes if c[0].split(".")[0] not in ("dcp_cloud", "torch", "builtins"))

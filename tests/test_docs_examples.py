@@ -1,8 +1,8 @@
 """The documentation's code runs: every python and bash block of README.md and of the pages under docs/.
 
 Each page runs against real servers, as a reader who pastes its blocks in order would: a moto S3
-server and fake-gcs-server (from dcp_cloud.testing), on which every bucket the page names
-(``s3://my-bucket/...``, ``gs://...``) is created fresh, and a temporary working directory for local
+server, fake-gcs-server and Azurite (from dcp_cloud.testing), on which every bucket or container the page
+names (``s3://my-bucket/...``, ``gs://...``, ``az://...``) is created fresh, and a temporary working directory for local
 paths. The python blocks of one page share one namespace; a bash block runs each ``dcp-cloud`` command
 through the command's ``main()`` and checks its exit status.
 
@@ -13,11 +13,17 @@ An HTML comment on the line above a block (invisible in the rendered page) chang
 * ``<!-- docs-test: ranks=N setup=NAME -->``: run on N gloo ranks by ``dcp_cloud.testing.multirank``,
   each rank in a fresh namespace prepared by the setup NAME of :data:`SETUPS` (``setup=`` without
   ``ranks=`` prepares the page's own namespace).
+* ``<!-- docs-test: check=NAME -->``: after the block, the check NAME of :data:`CHECKS` runs in its
+  namespace (on every rank), for what a block cannot show without noise.
 * ``<!-- docs-test: exit=N -->``: the bash block's commands must exit with status N (default 0).
 * ``<!-- docs-test: pytest -->``: the block is a test module; it is written to a file and run by
   pytest in a fresh process, with the fixtures of the dcp_cloud plugin.
 * ``<!-- docs-test: endpoint=URL -->``: URL (an S3-compatible server's) is replaced by the moto
-  server's endpoint.
+  server's endpoint, in a block of any kind.
+
+Every block that loads a checkpoint checks what it loaded (an ``assert``, or a ``check=``): the values
+against what was saved and the step restored, into a state that held other values, so that a load that
+does nothing fails this test.
 
 The benchmark pages (docs/benchmarks/) are not run: their blocks are the commands that printed the
 published figures, not examples.
@@ -47,9 +53,11 @@ NOT_EXAMPLES = ("docs/benchmarks/",)
 EXPECTED_SKIPS = {
     "README.md": 4,
     "docs/getting-started.md": 2,
+    "docs/guides/azure.md": 2,
     "docs/guides/gcs.md": 1,
     "docs/guides/gpu-async-save.md": 1,
     "docs/guides/resharding.md": 1,
+    "docs/guides/testing.md": 1,
     "docs/reference/s3-compatibility.md": 1,
     "docs/reference/torch-versions.md": 1,
 }
@@ -57,6 +65,20 @@ EXPECTED_SKIPS = {
 RUN_LANGUAGES = ("python", "bash")
 NOT_CODE = ("text", "mermaid", "")
 
+#: A model sharded with FSDP2 over a CPU mesh of all ranks, and its optimizer (``seed``: of its initialisation).
+_FSDP2_MODEL = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed({seed})
+model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+mesh = init_device_mesh("cpu", (world_size,))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
 #: Names a block may use without defining them, by setup (see the module docstring).
 SETUPS = {
     # A small model and optimizer in one process, and a training step.
@@ -74,29 +96,39 @@ def train_step():
 train_step()
 """,
     # The same model sharded with FSDP2 over a CPU mesh of all ranks (33 rows: uneven over 2 and 3 ranks).
-    "fsdp2": """
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
-mesh = init_device_mesh("cpu", (world_size,))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    "fsdp2": _FSDP2_MODEL.format(seed=0)
+    + """
 model(torch.randn(8, 16)).pow(2).mean().backward()
 optimizer.step()
 optimizer.zero_grad()
 step = 1000
 """,
+    # A job restarted from a checkpoint: the same model, other weights (a fresh initialisation), at step 0.
+    "fsdp2_fresh": _FSDP2_MODEL.format(seed=1) + "step = 0\n",
 }
+
+#: Checks run after a block (``check=NAME``), in its namespace.
+CHECKS = {
+    # The model of a block set up by "fsdp2_fresh" now holds what the "fsdp2" job saved (rebuilt here, on
+    # this world size: the same values up to the order of sums), and the step is restored.
+    "fsdp2_restored": """
+_saved = {"world_size": world_size}
+exec(compile(_SETUPS["fsdp2"], "<the saving job's model>", "exec"), _saved)
+for (_name, _got), (_, _want) in zip(model.state_dict().items(), _saved["model"].state_dict().items(), strict=True):
+    torch.testing.assert_close(_got.full_tensor(), _want.full_tensor(), rtol=1e-5, atol=1e-6, msg=_name)
+assert step == 1000, step
+""",
+}
+#: A call that loads a checkpoint into a state.
+_LOADS = re.compile(r"\b(?:dcp|dcp_cloud)\.load\(")
+#: A block's own check of what it loaded.
+_CHECKS_INLINE = re.compile(r"^\s*assert\b|\bAssertionError\b", flags=re.M)
 
 _FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->$")
 _S3_BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?=/|\s|\"|$)")
 _GCS_BUCKET = re.compile(r"gs://([a-z0-9][a-z0-9._-]{1,61}[a-z0-9])(?=/|\s|\"|$)")
+_AZ_CONTAINER = re.compile(r"az://([a-z0-9][a-z0-9-]{1,61}[a-z0-9])(?=/|\s|\"|$)")
 
 
 @dataclass
@@ -173,6 +205,21 @@ def test_every_block_is_run_or_counted() -> None:
     )
 
 
+def test_every_load_checks_what_it_loaded() -> None:
+    """A block that loads asserts what it loaded, or names a check (see the module docstring)."""
+    unchecked = [
+        block.where
+        for page in RUN_PAGES
+        for block in parse(page)
+        if block.lang == "python"
+        and "skip" not in block.directives
+        and _LOADS.search(block.code)
+        and not _CHECKS_INLINE.search(block.code)
+        and block.directives.get("check") not in CHECKS
+    ]
+    assert not unchecked, f"these blocks load a checkpoint and check nothing of it: {unchecked}"
+
+
 def test_api_reference_lists_every_public_name() -> None:
     import dcp_cloud
 
@@ -194,20 +241,27 @@ def test_troubleshooting_covers_every_error() -> None:
 # Running a page
 
 
-def _rank_main(rank: int, world_size: int, code: str, setup: str | None, where: str) -> None:
-    """Inside a spawned rank: prepare ``setup``, then run the block."""
+def _rank_main(rank: int, world_size: int, code: str, setup: str | None, check: str | None, where: str) -> None:
+    """Inside a spawned rank: prepare ``setup``, run the block, then its ``check``."""
     namespace: dict[str, Any] = {"__name__": "__docs__", "rank": rank, "world_size": world_size}
     if setup:
         exec(compile(SETUPS[setup], f"<setup {setup}>", "exec"), namespace)
     exec(compile(code, where, "exec"), namespace)
+    _check(check, namespace, where)
 
 
-def _run_cli(block: Block) -> None:
+def _check(name: str | None, namespace: dict[str, Any], where: str) -> None:
+    if name:
+        namespace["_SETUPS"] = SETUPS
+        exec(compile(CHECKS[name], f"<check {name} of {where}>", "exec"), namespace)
+
+
+def _run_cli(block: Block, code: str) -> None:
     from dcp_cloud.cli.main import main
 
     expected = int(block.directives.get("exit", "0"))
     pending = ""
-    for raw in block.code.splitlines():
+    for raw in code.splitlines():
         if raw.rstrip().endswith("\\"):  # a command continued on the next line
             pending += raw.rstrip()[:-1] + " "
             continue
@@ -226,11 +280,11 @@ def _run_cli(block: Block) -> None:
         )
 
 
-def _run_pytest(block: Block, tmp_path: Path) -> None:
+def _run_pytest(block: Block, code: str, tmp_path: Path) -> None:
     module = tmp_path / "docs_block" / "test_docs_block.py"
     module.parent.mkdir()
-    module.write_text(block.code)
-    tests = len(re.findall(r"^def test_", block.code, flags=re.M))
+    module.write_text(code)
+    tests = len(re.findall(r"^def test_", code, flags=re.M))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
         cwd=module.parent,
@@ -262,6 +316,13 @@ def test_page_examples_run(page: str, request: pytest.FixtureRequest, tmp_path: 
         for bucket in gcs_buckets:
             emulator.create_bucket(bucket)
             request.addfinalizer(lambda b=bucket: emulator.delete_bucket(b))
+    containers = sorted(set(_AZ_CONTAINER.findall(text)))
+    if containers:
+        azurite = request.getfixturevalue("azurite_server")
+        env.update(request.getfixturevalue("azure_env"))
+        for container in containers:
+            azurite.create_container(container)
+            request.addfinalizer(lambda c=container: azurite.delete_container(c))
     monkeypatch.chdir(tmp_path)
 
     namespace: dict[str, Any] = {"__name__": "__docs__"}
@@ -270,17 +331,20 @@ def test_page_examples_run(page: str, request: pytest.FixtureRequest, tmp_path: 
         if "endpoint" in block.directives:
             code = code.replace(block.directives["endpoint"], moto_server.endpoint_url)
         setup = block.directives.get("setup") or None
+        check = block.directives.get("check") or None
         try:
             if block.lang == "bash":
-                _run_cli(block)
+                _run_cli(block, code)
             elif "pytest" in block.directives:
-                _run_pytest(block, tmp_path)
+                _run_pytest(block, code, tmp_path)
             elif "ranks" in block.directives:
-                run_ranks(int(block.directives["ranks"]), _rank_main, code, setup, block.where, env=env, timeout=300)
+                ranks = int(block.directives["ranks"])
+                run_ranks(ranks, _rank_main, code, setup, check, block.where, env=env, timeout=300)
             else:
                 if setup:
                     exec(compile(SETUPS[setup], f"<setup {setup}>", "exec"), namespace)
                 exec(compile(code, block.where, "exec"), namespace)
+                _check(check, namespace, block.where)
         except AssertionError:
             raise
         except BaseException as exc:

@@ -2,7 +2,9 @@
 
 In each case one rank (the victim) reaches the store through a fault proxy
 that, from one phase of a save or load on, either never answers (accepts the
-request and holds it: a dead endpoint) or answers every request with 500. The
+request and holds it: a dead endpoint) or answers every request with 500 (on
+Azure also with 503 ServerBusy, its throttling answer, which the retry loop
+treats as throttling and the adaptive rate limit follows). The
 other ranks talk to the store directly. Phases: the writer's and reader's
 constructors, the metadata fetch (and its broadcast), the incremental save's
 planning, writes, the commit, a rank's own reads, and the shared-read rounds.
@@ -10,7 +12,15 @@ planning, writes, the commit, a rank's own reads, and the shared-read rounds.
 Every rank must end the case with an error within the retry deadline plus 15 s
 (never the process group's timeout); through ``dcp_cloud.save``/``load`` the
 victim raises the typed dcp_cloud error and the other ranks an error that names
-the victim's rank; and a failed save commits nothing. The ranks run every case
+the victim's rank; and a failed save commits nothing.
+
+Each case proves that its fault is why: the victim's proxy injected it at least
+once (the proxy's own counters), and the victim's error is the one that fault
+causes: a ``TransientStoreError`` of the operation the case targets, whose last
+attempt met that fault (no answer: a connection that timed out; 500: HTTP 500; 503 on Azure: ServerBusy,
+or the adaptive rate it cut).
+A victim that failed for another reason (a setup error, a proxy bug, another
+operation) fails the case. The ranks run every case
 of a store in one process group, one after the other (a case that hung would
 end the whole run at its timeout, naming the hung ranks).
 """
@@ -18,6 +28,7 @@ end the whole run at its timeout, naming the hung ranks).
 from __future__ import annotations
 
 import dataclasses
+import re
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,12 +54,12 @@ TIMEOUT = 600.0
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """What a fault filter knows of a request, the same for S3 and GCS."""
+    """What a fault filter knows of a request, the same for S3, GCS and Azure."""
 
     method: str
     #: "/" + the object the request is about ("/" where the request line does not say).
     name: str
-    #: Whether it reads an object's bytes (S3 GET; GCS ``alt=media``), not its metadata.
+    #: Whether it reads an object's bytes (S3 GET; GCS ``alt=media``; Azure Get Blob), not its metadata.
     data: bool
     #: A GCS ``uploadType=multipart`` upload (the name is in the body): the create-only commit.
     multipart: bool
@@ -61,6 +72,10 @@ def _seen(request: RequestInfo) -> Seen:
         name = path.split("/o/", 1)[1] if "/o/" in path else query.get("name", [""])[0]
         data = request.method == "GET" and query.get("alt") == ["media"]
         return Seen(request.method, "/" + name, data, query.get("uploadType") == ["multipart"])
+    if path.startswith(f"/{AZURITE_ACCOUNT}/"):  # Azure, path style: /account/container/blob
+        parts = path.split("/", 3)
+        blob = "/" + (parts[3] if len(parts) > 3 else "")
+        return Seen(request.method, blob, request.method == "GET" and "comp" not in query, False)
     parts = path.split("/", 2)  # S3, path style: /bucket/key
     return Seen(request.method, "/" + (parts[2] if len(parts) > 2 else ""), request.method == "GET", False)
 
@@ -76,6 +91,9 @@ class Case:
     options: tuple[tuple[str, Any], ...] = ()
     #: Load the replicated items only (every rank wants them: shared reads) instead of the sharded one.
     replicated: bool = False
+    #: The store operations (as the retry loop names them) whose failure the victim may raise: the first
+    #: request the fault meets is one of them.
+    ops: tuple[str, ...] = ()
 
 
 def _any(r: Seen) -> bool:
@@ -102,18 +120,31 @@ def _shard_read(r: Seen) -> bool:
     return r.data and ".distcp" in r.name
 
 
+_FIRST = ("check_bucket", "head", "get", "list")  # what a writer or reader asks first
 CASES = [
-    Case("save-constructor", "save", 2, _any),
-    Case("save-planning", "save", 0, _base_metadata, (("base", "src"),)),
-    Case("save-writes", "save", 3, _shard_write),
-    Case("save-commit", "save", 0, _commit),
-    Case("load-constructor", "load", 0, _any),
-    Case("load-other-rank", "load", 2, _any),
-    Case("load-metadata-unshared", "load", 1, _metadata_get, (("share_metadata", False),)),
-    Case("load-own-reads", "load", 1, _shard_read, (("share_reads", False),)),
-    Case("load-shared-reads", "load", 3, _shard_read, (), True),
+    Case("save-constructor", "save", 2, _any, ops=_FIRST),
+    Case("save-planning", "save", 0, _base_metadata, (("base", "src"),), ops=("get", "read")),
+    Case("save-writes", "save", 3, _shard_write, ops=("put", "create_multipart", "put_part", "complete_multipart")),
+    Case("save-commit", "save", 0, _commit, ops=("put", "complete_multipart")),
+    Case("load-constructor", "load", 0, _any, ops=_FIRST),
+    Case("load-other-rank", "load", 2, _any, ops=("read",)),  # rank 0 fetched the metadata: its first is a read
+    Case("load-metadata-unshared", "load", 1, _metadata_get, (("share_metadata", False),), ops=("get", "read")),
+    Case("load-own-reads", "load", 1, _shard_read, (("share_reads", False),), ops=("read",)),
+    Case("load-shared-reads", "load", 3, _shard_read, (), True, ops=("read",)),
 ]
 FAULTS = ("dead", "500")
+#: Azure's throttling answer joins its matrix: 503 ServerBusy, retried as throttling under the adaptive rate.
+AZURE_FAULTS = (*FAULTS, "503")
+#: The account of Azurite's path-style URLs.
+AZURITE_ACCOUNT = "devstoreaccount1"
+#: The proxy's counter of each fault, and what the victim's last attempt met, as its error says.
+FAULT_KIND = {"dead": "stall", "500": "error_500", "503": "slowdown"}
+FAULT_SIGN = {
+    "dead": re.compile(r"connection to (S3|GCS|Azure) failed"),
+    "500": re.compile(r"HTTP 500\b"),
+    # Throttled: either the last attempt's 503 ServerBusy, or the adaptive rate that it cut refusing the next.
+    "503": re.compile(r"HTTP 503 ServerBusy|the store throttled this process"),
+}
 
 
 def _plan(case: Case, fault: str) -> FaultPlan:
@@ -122,6 +153,8 @@ def _plan(case: Case, fault: str) -> FaultPlan:
 
     if fault == "dead":  # accept, read the request, answer nothing for far longer than any timeout here
         return FaultPlan(stall=1.0, stall_seconds=3600.0, phase="request", when=when)
+    if fault == "503":
+        return FaultPlan(slowdown=1.0, when=when)
     return FaultPlan(error_500=1.0, when=when)
 
 
@@ -155,13 +188,17 @@ def _rank_main(rank: int, world: int, kind: str, root: str, endpoints: list[str]
             ("r", "s3"): dcp_cloud.S3Reader,
             ("w", "gcs"): dcp_cloud.GCSWriter,
             ("r", "gcs"): dcp_cloud.GCSReader,
+            ("w", "azure"): dcp_cloud.AzureWriter,
+            ("r", "azure"): dcp_cloud.AzureReader,
         }[(cls_kind, kind)]
+        if kind == "azure":
+            endpoint = f"{endpoint}/{AZURITE_ACCOUNT}"  # the proxies and the clean path lead to the server's root
         where = {"endpoint_url": endpoint} if kind == "s3" else {"endpoint": endpoint}
         return cls(uri, retry=RETRY, **where, **kw)
 
     dcp_cloud.save(_state(rank, 0), storage_writer=make("w", f"{root}/src", clean))
     out = []
-    for i, (case, fault) in enumerate(_cases()):
+    for i, (case, fault) in enumerate(_cases(kind)):
         endpoint = endpoints[i] if rank == case.victim else clean
         options = dict(case.options)
         if "base" in options:
@@ -179,7 +216,12 @@ def _rank_main(rank: int, world: int, kind: str, root: str, endpoints: list[str]
                 dcp_cloud.load(state, storage_reader=make("r", f"{root}/src", endpoint, **options))
             outcome = {"error": None}
         except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the test
-            outcome = {"error": type(exc).__name__, "message": str(exc)[:2000], "typed": _typed(exc)}
+            outcome = {
+                "error": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "typed": _typed(exc),
+                "transient": _transient(exc),
+            }
         outcome.update(case=f"{case.name}/{fault}", rank=rank, seconds=time.monotonic() - started)
         out.append(outcome)
     dist.barrier()
@@ -192,16 +234,38 @@ def _typed(exc: BaseException) -> bool:
     return isinstance(exc, DcpCloudError)
 
 
-def _cases() -> Iterator[tuple[Case, str]]:
+def _transient(exc: BaseException) -> bool:
+    """A retryable fault that outlived the retry budget: the retry loop's own TransientStoreError (a
+    ThrottledError that escaped it would mean the loop never retried)."""
+    from dcp_cloud import ThrottledError, TransientStoreError
+
+    return isinstance(exc, TransientStoreError) and not isinstance(exc, ThrottledError)
+
+
+def _victim_problems(case: Case, fault: str, outcome: dict[str, Any]) -> list[str]:
+    """Why the victim's error is not the one its fault causes ([] where it is)."""
+    message = outcome["message"]
+    out = []
+    if not outcome["transient"]:
+        out.append(f"the victim raised {outcome['error']}, not the TransientStoreError a {fault} fault causes")
+    op = re.match(r"(\w+)(?: failed after \d+ attempt|: the store throttled)", message)
+    if op is None or op.group(1) not in case.ops:
+        out.append(f"the victim's error names {op.group(1) if op else 'no operation'}, not one of {case.ops}")
+    if not FAULT_SIGN[fault].search(message):
+        out.append(f"the victim's last attempt did not meet the {fault} fault ({FAULT_SIGN[fault].pattern!r})")
+    return [f"{p}: {message}" for p in out]
+
+
+def _cases(kind: str) -> Iterator[tuple[Case, str]]:
     for case in CASES:
-        for fault in FAULTS:
+        for fault in AZURE_FAULTS if kind == "azure" else FAULTS:
             yield case, fault
 
 
 # ---------------------------------------------------------------------------------------------- test
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "azure"])
 def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[str, str], Callable[[str], bool]]]:
     """``(kind, upstream endpoint, root URI, child env, committed(name))`` of a fresh bucket."""
     if request.param == "s3":
@@ -215,6 +279,17 @@ def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[
             return bool(listed.get("Contents"))
 
         yield "s3", server.endpoint_url, f"s3://{bucket}", env, committed
+        return
+    if request.param == "azure":
+        azurite = request.getfixturevalue("azurite_server")
+        env = dict(request.getfixturevalue("azure_env"))
+        container = request.getfixturevalue("azure_container")
+        blobs = azurite.service().get_container_client(container)
+
+        def committed_azure(name: str) -> bool:
+            return any(True for _ in blobs.list_blobs(name_starts_with=f"{name}/.metadata"))
+
+        yield "azure", azurite.endpoint.rsplit("/", 1)[0], f"az://{container}", env, committed_azure
         return
     emulator = request.getfixturevalue("gcs_emulator")
     env = dict(request.getfixturevalue("gcs_env"))
@@ -239,15 +314,18 @@ def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, dict[
 
 def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
     kind, upstream, root, env, committed = store
-    proxies = [FaultProxy(upstream, _plan(case, fault), flavor=kind).start() for case, fault in _cases()]
+    proxies = [FaultProxy(upstream, _plan(case, fault), flavor=kind).start() for case, fault in _cases(kind)]
     try:
         results = run_ranks(WORLD, _rank_main, kind, root, [p.url for p in proxies], upstream, env=env, timeout=TIMEOUT)
     finally:
+        stats = [proxy.snapshot() for proxy in proxies]
         for proxy in proxies:
             proxy.stop()
     problems = []
-    for i, (case, fault) in enumerate(_cases()):
+    for i, (case, fault) in enumerate(_cases(kind)):
         label = f"{case.name}/{fault}"
+        if stats[i].faults[FAULT_KIND[fault]] < 1:  # each case has a proxy of its own: the victim's endpoint
+            problems.append(f"{label}: the victim's proxy never injected its fault ({stats[i]})")
         outcomes = [results[rank][i] for rank in range(WORLD)]
         for o in outcomes:
             assert o["case"] == label
@@ -258,6 +336,8 @@ def test_one_ranks_failure_ends_every_rank_soon(store: Any) -> None:
                 problems.append(f"{label}: rank {o['rank']} took {o['seconds']:.1f} s (> {BOUND:.0f} s)")
             if o["rank"] == case.victim and not o["typed"]:
                 problems.append(f"{label}: the victim raised {o['error']}, not a dcp_cloud error: {o['message']}")
+            if o["rank"] == case.victim:
+                problems += [f"{label}: {p}" for p in _victim_problems(case, fault, o)]
             if o["rank"] != case.victim and f"rank {case.victim}" not in o["message"].lower():
                 problems.append(f"{label}: rank {o['rank']}'s error does not name rank {case.victim}: {o['message']}")
         if case.op == "save" and committed(f"{case.name}-{fault}"):

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import dcp_cloud
-from dcp_cloud import GCSReader, GCSWriter, RetryConfig, S3Reader, S3Writer, TransferConfig
+from dcp_cloud import AzureReader, AzureWriter, GCSReader, GCSWriter, RetryConfig, S3Reader, S3Writer, TransferConfig
 from dcp_cloud.dcp import prediction
 from dcp_cloud.dcp.chunks import ChunkIndex
 from dcp_cloud.dcp.footer import fetch
@@ -449,7 +450,15 @@ def test_an_object_read_in_several_requests_carries_its_footer_on_the_last(
 _WIRE: dict[str, tuple[str, str, str, str, Any, Any, str]] = {
     "s3": ("moto_server", "endpoint_url", "s3_bucket", "s3_store", S3Writer, S3Reader, "endpoint_url"),
     "gcs": ("gcs_emulator", "endpoint", "gcs_bucket", "gcs_store", GCSWriter, GCSReader, "endpoint"),
+    "azure": ("azurite_server", "endpoint", "azure_container", "azure_store", AzureWriter, AzureReader, "endpoint"),
 }
+#: backend -> scheme of its URIs
+_SCHEMES = {"s3": "s3", "gcs": "gs", "azure": "az"}
+
+
+def _proxied(backend: str, proxy_url: str, upstream: str) -> str:
+    """The endpoint that reaches ``upstream`` through the proxy at ``proxy_url`` (Azurite's keeps its path)."""
+    return proxy_url + urlsplit(upstream).path
 
 
 def _wire_load(
@@ -465,7 +474,7 @@ def _wire_load(
     footers' places (start -> end)."""
     server, address, bucket, store_fixture, writer_cls, reader_cls, keyword = _WIRE[backend]
     upstream = getattr(request.getfixturevalue(server), address)
-    uri = f"{'s3' if backend == 's3' else 'gs'}://{request.getfixturevalue(bucket)}/{name}"
+    uri = f"{_SCHEMES[backend]}://{request.getfixturevalue(bucket)}/{name}"
     store = request.getfixturevalue(store_fixture)
     writer = writer_cls(uri, **{keyword: upstream})
 
@@ -477,7 +486,7 @@ def _wire_load(
     lock = threading.Lock()
 
     def spy(request: RequestInfo) -> bool:  # records every ranged GET, faults none
-        rng = request.headers.get("range", "")
+        rng = request.headers.get("range") or request.headers.get("x-ms-range") or ""
         if request.method == "GET" and rng.startswith("bytes="):
             first, last = (int(v) for v in rng[len("bytes=") :].split("-"))
             with lock:
@@ -487,7 +496,9 @@ def _wire_load(
     plan = FaultPlan(error_500=1.0, when=spy)
     with FaultProxy(upstream, plan=plan, shaping=Shaping(latency=0.1)) as proxy:
         out = {k: torch.zeros_like(v) for k, v in list(state.items())[:only]}
-        dcp.load(out, storage_reader=reader_cls(uri, transfer=transfer, **{keyword: proxy.url}))
+        dcp.load(
+            out, storage_reader=reader_cls(uri, transfer=transfer, **{keyword: _proxied(backend, proxy.url, upstream)})
+        )
         assert proxy.snapshot().unplanned_errors == 0
     assert all(torch.equal(out[k], state[k]) for k in out)
     return seen, footers

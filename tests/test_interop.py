@@ -47,8 +47,9 @@ def _blank(state: Any) -> Any:
 def _make(kind: str, name: str, uri: str) -> Any:
     import dcp_cloud
 
-    cls = {("w", "s3"): dcp_cloud.S3Writer, ("w", "gcs"): dcp_cloud.GCSWriter,
-           ("r", "s3"): dcp_cloud.S3Reader, ("r", "gcs"): dcp_cloud.GCSReader}[(kind, name)]  # fmt: skip
+    cls = {("w", "s3"): dcp_cloud.S3Writer, ("w", "gcs"): dcp_cloud.GCSWriter, ("w", "azure"): dcp_cloud.AzureWriter,
+           ("r", "s3"): dcp_cloud.S3Reader, ("r", "gcs"): dcp_cloud.GCSReader,
+           ("r", "azure"): dcp_cloud.AzureReader}[(kind, name)]  # fmt: skip
     return cls(uri)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_cloud import LocalReader, LocalWriter, StoreError, TransferConfig
+from dcp_cloud import LocalReader, LocalWriter, PreconditionFailedError, StoreError, TransferConfig
 from dcp_cloud.store.local import UPLOADS_DIR, LocalStore
 from dcp_cloud.store.protocol import PartInfo
 
@@ -49,7 +49,7 @@ def test_create_only_completion_refuses_an_existing_object(tmp_path: Path) -> No
     store.put("obj", b"first")
     upload = store.create_multipart("obj")
     part = store.put_part_at("obj", upload, 1, 0, b"second")
-    with pytest.raises(Exception, match="already exists"):
+    with pytest.raises(PreconditionFailedError, match="already exists"):
         store.complete_multipart("obj", upload, [part], create_only=True)
     assert store.get("obj") == b"first"
 

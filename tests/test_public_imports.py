@@ -16,7 +16,8 @@ import dcp_cloud
 #: leading underscore defined or re-exported at module level in the modules that became packages.
 PUBLIC: dict[str, tuple[str, ...]] = {
     "dcp_cloud": (
-        "AccessDeniedError", "BalancedSavePlanner", "BucketNotFoundError", "CheckpointExistsError",
+        "AccessDeniedError", "AzureReader", "AzureWriter", "BalancedSavePlanner", "BucketNotFoundError",
+        "CheckpointExistsError",
         "CheckpointInfo", "CheckpointNotFoundError", "ChecksumMismatchError", "CloudReader", "CloudWriter",
         "ConfigError", "CorruptCheckpointError", "DcpCloudError", "GCReport", "GCSReader", "GCSWriter",
         "InvalidURIError", "LocalReader", "LocalWriter", "ObjectNotFoundError", "PreconditionFailedError",
@@ -26,6 +27,10 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "dcp_cloud.store.s3": ("MiB", "GiB", "S3_PART_LIMITS", "S3Config", "S3Store"),
     "dcp_cloud.store.gcs": ("MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSStore"),
+    "dcp_cloud.store.azure": (
+        "AZURE_PART_LIMITS", "MAX_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PUT_BLOB_SIZE", "AzureConfig", "AzureStore",
+        "check_container",
+    ),
     "dcp_cloud.testing.proxy": (
         "FAULT_KINDS", "FaultEvent", "FaultPlan", "FaultProxy", "ProxyProtocolError", "ProxyStats", "RequestInfo",
         "Shaping", "TLSFiles", "TrafficCount", "make_test_tls", "server_context",
@@ -36,7 +41,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     # The pytest plugin (entry point ``dcp_cloud``): its fixtures and constants.
     "dcp_cloud.testing.plugin": (
         "MOTO_MIN_PART_SIZE", "MOTO_PART_LIMITS", "moto_client", "moto_s3_client", "moto_server", "s3_bucket",
-        "s3_env", "s3_store", "gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store",
+        "s3_env", "s3_store", "gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store", "azurite_server", "azure_env",
+        "azure_container", "azure_store",
     ),
 }  # fmt: skip
 
@@ -44,6 +50,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
 USED_BY_TESTS: dict[str, tuple[str, ...]] = {
     "dcp_cloud.store.s3": ("_translate",),
     "dcp_cloud.store.gcs": ("_translate",),
+    "dcp_cloud.store.azure": ("_translate",),
 }
 
 
@@ -144,3 +151,43 @@ def test_nothing_below_the_run_layer_imports_it() -> None:
     assert importers == []
     run_imports = _imported_modules(root / "run" / "manager.py", "dcp_cloud.run")
     assert "dcp_cloud.run.view" in run_imports  # sanity: relative imports inside run/ are seen
+
+
+#: The modules outside ``store/azure/`` and ``testing/`` that may know Azure exists, and why (the store boundary:
+#: a backend is one folder plus its rows in these tables).
+AZURE_ALLOWED = {
+    "dcp_cloud/__init__.py": "exports AzureWriter / AzureReader",
+    "dcp_cloud/dcp/api.py": "the public constructors, as for every backend",
+    "dcp_cloud/dcp/backend.py": "AzureBackend, the picklable recipe that opens the store in each process",
+    "dcp_cloud/uri.py": "the URI table: az:// and Azure blob URLs",
+    "dcp_cloud/maintenance/common.py": "the az row of the maintenance functions' scheme table",
+    "dcp_cloud/maintenance/__init__.py": "docstring: the az:// store options",
+    "dcp_cloud/maintenance/copying.py": "docstring: az:// among cp's ends",
+    "dcp_cloud/cli/commands.py": "the CLI's URI table (--account, --endpoint for az://)",
+    "dcp_cloud/cli/main.py": "the CLI's help texts and options",
+    "dcp_cloud/cli/demo.py": "dcp-cloud demo --backend azure",
+    "dcp_cloud/safetensors/reader.py": "docstring: the az:// store options (account, credential)",
+    "dcp_cloud/store/clients.py": "AZURE_* variables decide how a shared client is built",
+}
+
+
+def test_azure_stays_behind_the_store_boundary() -> None:
+    """Nothing outside store/azure/, the fixtures and the tables above mentions Azure; store/azure/ imports
+    nothing above store/."""
+    root = Path(dcp_cloud.__file__).parent
+    mentions = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith(("dcp_cloud/store/azure/", "dcp_cloud/testing/")):
+            continue
+        if "azure" in path.read_text().lower():
+            mentions.add(rel)
+    assert mentions == set(AZURE_ALLOWED), sorted(mentions ^ set(AZURE_ALLOWED))
+    for path in (root / "store" / "azure").glob("*.py"):
+        imported = _imported_modules(path, "dcp_cloud.store.azure")
+        above = sorted(
+            m
+            for m in imported
+            if m.startswith("dcp_cloud.") and not m.startswith(("dcp_cloud.store", "dcp_cloud.errors"))
+        )
+        assert not above, f"{path.name} imports {above}"

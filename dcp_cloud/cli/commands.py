@@ -20,13 +20,18 @@ class UsageError(Exception):
 
 def store_kwargs(args: argparse.Namespace, uri: str | None = None) -> dict[str, Any]:
     """Store options for the URI's scheme; options of another store are a usage error."""
+    from ..uri import split_azure_url
+
     uri = args.uri if uri is None else uri
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    given = {name: getattr(args, name, None) for name in ("endpoint", "region", "project")}
+    if scheme == "https" and split_azure_url(uri) is not None:
+        scheme = "az"
+    given = {name: getattr(args, name, None) for name in ("endpoint", "region", "project", "account")}
     given = {name: value for name, value in given.items() if value}
     accepted = {
         "s3": {"endpoint": "endpoint_url", "region": "region"},
         "gs": {"endpoint": "endpoint", "project": "project"},
+        "az": {"endpoint": "endpoint", "account": "account"},
     }
     mapping = accepted.get(scheme, {})
     wrong = [f"--{name}" for name in given if name not in mapping]
@@ -202,6 +207,43 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..safetensors import DEFAULT_MAX_FILE_SIZE, export_safetensors
+
+    extra = {}
+    for path in args.extra_file:
+        try:
+            extra[Path(path).name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--extra-file {path}: {exc.strerror or exc}") from None
+    report = export_safetensors(
+        args.source,
+        args.destination,
+        prefix=args.prefix,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        max_file_size=args.max_file_size or DEFAULT_MAX_FILE_SIZE,
+        dcp_sharding_info=args.dcp_sharding_info,
+        extra_files=extra,
+        overwrite=args.overwrite,
+        progress=_bars(args),
+    )
+    if args.json:
+        _json(report)
+        return 0
+    print(
+        f"exported {report.source} -> {report.destination}: {report.tensors} tensor(s) in {len(report.files)} "
+        f"file(s), {size(report.data_bytes)} ({report.seconds:.2f}s)"
+        + (", replaced the model there" if report.overwrote else "")
+    )
+    if report.skipped:
+        print(f"{report.skipped} item(s) of the checkpoint left out (not tensors, or not selected)")
+    return 0
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     from ..maintenance import remove_checkpoint
 
@@ -292,6 +334,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "verify": cmd_verify,
     "cp": cmd_cp,
+    "export": cmd_export,
     "rm": cmd_rm,
     "gc": cmd_gc,
     "demo": cmd_demo,

@@ -1,7 +1,7 @@
 """``dcp-cloud demo``: save an FSDP2-sharded model + Adam state on N ranks, load it on M ranks.
 
-Everything runs on this machine: an embedded moto S3 server (or fake-gcs-server)
-on 127.0.0.1, and real gloo process groups of spawned CPU processes. No cloud
+Everything runs on this machine: an embedded moto S3 server (or fake-gcs-server,
+or Azurite) on 127.0.0.1, and real gloo process groups of spawned CPU processes. No cloud
 account is needed; no server or rank process outlives the command (each
 runs in its own process group and is killed by the kernel if this process dies).
 
@@ -125,24 +125,34 @@ def _use_store_env(spec: dict[str, str]) -> None:
                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
             }
         )
+    elif spec["backend"] == "azure":
+        from ..testing.azurite import connection_string
+
+        for name in [n for n in os.environ if n.startswith("AZURE_STORAGE_")]:
+            del os.environ[name]
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = connection_string(spec["endpoint"])
     else:
         os.environ["STORAGE_EMULATOR_HOST"] = spec["endpoint"]
         os.environ.setdefault("GOOGLE_CLOUD_PROJECT", "dcp-cloud-demo")
 
 
 def _writer(spec: dict[str, str], uri: str) -> Any:
-    from dcp_cloud import GCSWriter, S3Writer
+    from dcp_cloud import AzureWriter, GCSWriter, S3Writer
 
     if spec["backend"] == "s3":
         return S3Writer(uri, endpoint_url=spec["endpoint"])
+    if spec["backend"] == "azure":
+        return AzureWriter(uri)  # the endpoint and key come from the connection string
     return GCSWriter(uri, endpoint=spec["endpoint"])
 
 
 def _reader(spec: dict[str, str], uri: str) -> Any:
-    from dcp_cloud import GCSReader, S3Reader
+    from dcp_cloud import AzureReader, GCSReader, S3Reader
 
     if spec["backend"] == "s3":
         return S3Reader(uri, endpoint_url=spec["endpoint"])
+    if spec["backend"] == "azure":
+        return AzureReader(uri)
     return GCSReader(uri, endpoint=spec["endpoint"])
 
 
@@ -296,6 +306,15 @@ def _server(backend: str) -> Iterator[tuple[str, str]]:
             finally:
                 client.close()
             yield server.endpoint_url, bucket
+    elif backend == "azure":
+        from ..testing import azurite
+
+        reason = azurite.missing_reason()
+        if reason is not None:
+            raise DemoUnavailableError(f"the Azure demo runs an embedded Azurite: {reason}")
+        with azurite.Azurite() as server:
+            server.create_container(bucket)
+            yield server.endpoint, bucket
     else:
         from ..testing.gcs_emulator import GCSEmulator
 
@@ -335,10 +354,10 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout, *, progress: Any = No
     try:
         with _sigterm_as_exit(), _server(config.backend) as (endpoint, bucket):
             bar.advance(1)
-            scheme = "s3" if config.backend == "s3" else "gs"
+            scheme = {"s3": "s3", "gcs": "gs", "azure": "az"}[config.backend]
             uri = f"{scheme}://{bucket}/demo/step-{config.steps}"
             spec = {"backend": config.backend, "endpoint": endpoint}
-            server = "moto S3 server" if config.backend == "s3" else "fake-gcs-server"
+            server = {"s3": "moto S3 server", "gcs": "fake-gcs-server", "azure": "Azurite"}[config.backend]
             if not as_json:
                 print(
                     f"dcp-cloud demo: {server} at {endpoint}; model of {config.width}x{UNEVEN_ROWS} layers "

@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from .commands import COMMANDS, PROG, UsageError
 
 _DESCRIPTION = """\
-Inspect and maintain PyTorch Distributed Checkpoints in S3, GCS or a directory.
+Inspect and maintain PyTorch Distributed Checkpoints in S3, GCS, Azure Blob Storage or a directory.
 
-URIs: s3://bucket/prefix, gs://bucket/prefix, file:///dir. Credentials and
-endpoints come from the usual places (AWS_* variables and profiles,
-Application Default Credentials, STORAGE_EMULATOR_HOST); --endpoint overrides
-the endpoint.
+URIs: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix (or
+https://ACCOUNT.blob.core.windows.net/container/prefix), file:///dir. Credentials
+and endpoints come from the usual places (AWS_* variables and profiles,
+Application Default Credentials, STORAGE_EMULATOR_HOST, AZURE_STORAGE_*
+variables and DefaultAzureCredential); --endpoint overrides the endpoint.
 """
 
 _EPILOG = """\
@@ -36,6 +37,8 @@ examples:
   dcp-cloud inspect s3://my-bucket/run-7/step-1000 --json
   dcp-cloud verify s3://my-bucket/run-7/step-1000
   dcp-cloud cp s3://my-bucket/run-7/step-1000 gs://other/run-7/step-1000
+  dcp-cloud cp gs://other/run-7/step-1000 az://checkpoints/run-7/step-1000
+  dcp-cloud export s3://my-bucket/run-7/step-1000 s3://my-bucket/hf/run-7 --prefix model. --dtype bf16
   dcp-cloud rm s3://my-bucket/run-7/step-500
   dcp-cloud gc s3://my-bucket/run-7 --older-than 86400 --dry-run
   dcp-cloud demo --save-ranks 4 --load-ranks 3
@@ -84,6 +87,40 @@ def _size_mb(text: str) -> float:
     return value
 
 
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def _dtype(text: str) -> str:
+    value = _DTYPES.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(sorted(set(_DTYPES)))}, got {text!r}")
+    return value
+
+
+def _file_size(text: str) -> int:
+    """A size such as ``5GB``, ``500MB``, ``2GiB`` or a number of bytes (as Hugging Face's max_shard_size)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    head = text.strip().upper().rstrip()
+    number = head.rstrip("KMGIB")
+    unit = head[len(number) :].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, got {text!r}") from None
+    if not 1 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -99,9 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     output.add_argument("-q", "--quiet", action="store_true", help="no progress bars (drawn only on a terminal)")
     store = argparse.ArgumentParser(add_help=False, parents=[output])
-    store.add_argument("--endpoint", metavar="URL", help="S3 or GCS endpoint (an S3-compatible server, an emulator)")
+    store.add_argument(
+        "--endpoint", metavar="URL", help="S3, GCS or Azure endpoint (an S3-compatible server, an emulator)"
+    )
     store.add_argument("--region", help="S3 region (default: AWS_REGION / the profile's)")
     store.add_argument("--project", help="GCS project (default: GOOGLE_CLOUD_PROJECT / ADC)")
+    store.add_argument(
+        "--account", help="Azure storage account (default: AZURE_STORAGE_ACCOUNT / the connection string)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = commands.add_parser(
@@ -160,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cp",
         parents=[output],
         help="copy a committed checkpoint to another place or store",
-        description="Copy the committed checkpoint at SRC to DST (s3://, gs:// or file:// at either end; endpoints "
-        "and credentials from the environment: AWS_*, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, ADC). Within one "
+        description="Copy the committed checkpoint at SRC to DST (s3://, gs://, az:// or file:// at either end; "
+        "endpoints and credentials from the environment: AWS_*, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, ADC, "
+        "AZURE_STORAGE_*). Within one "
         "store the service copies the objects and they are read back to check their CRC32C; across stores they "
         "stream through this process in bounded memory, checked as they pass. DST's .metadata is written last and "
         "create-only: a committed DST is refused unless --overwrite.",
@@ -177,6 +220,43 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="copy an incremental checkpoint with the base objects it references, into a self-contained one",
     )
+
+    export = commands.add_parser(
+        "export",
+        parents=[output],
+        help="write a committed checkpoint as Hugging Face safetensors files",
+        description="Write the tensors of the committed checkpoint at SRC as Hugging Face safetensors files under "
+        "DST (model-00001-of-0000N.safetensors and model.safetensors.index.json; s3://, gs:// or file:// at either "
+        "end, endpoints and credentials from the environment). The bytes stream from the stored chunks into "
+        "multipart uploads in bounded memory; the index is written last and create-only, so DST is never seen as "
+        "a complete model before every file is in place. A model already at DST is refused unless --overwrite.",
+    )
+    export.add_argument("source", metavar="SRC", help="committed checkpoint to export")
+    export.add_argument("destination", metavar="DST", help="directory of the safetensors files")
+    export.add_argument(
+        "--prefix", metavar="P", help="only the tensors whose name starts with P, with P stripped (e.g. model.)"
+    )
+    export.add_argument("--dtype", type=_dtype, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
+    export.add_argument(
+        "--max-file-size",
+        type=_file_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of tensor data per file, e.g. 5GB (the default), 500MB",
+    )
+    export.add_argument(
+        "--dcp-sharding-info",
+        action="store_true",
+        help="record torch's DCP_SHARDING_INFO in every header (for torch's HuggingFaceStorageReader)",
+    )
+    export.add_argument(
+        "--extra-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a local file to upload beside the model, under its own name (e.g. config.json); repeatable",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace a model at DST")
 
     rm = commands.add_parser(
         "rm",
@@ -214,11 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         parents=[output],
         help="save on N ranks and load on M ranks against an embedded server",
-        description="Start an embedded S3 (moto) or GCS (fake-gcs-server) server on 127.0.0.1, train a small "
+        description="Start an embedded S3 (moto), GCS (fake-gcs-server) or Azure (Azurite) server on 127.0.0.1, "
+        "train a small "
         "FSDP2-sharded model on N CPU ranks, save it with model and Adam state, load it on M ranks and "
         "check it is bitwise equal. Needs no cloud account; prints a table of bytes, time, memory and requests.",
     )
-    demo.add_argument("--backend", choices=("s3", "gcs"), default="s3", help="which embedded server (default: s3)")
+    demo.add_argument(
+        "--backend", choices=("s3", "gcs", "azure"), default="s3", help="which embedded server (default: s3)"
+    )
     demo.add_argument("--save-ranks", type=_positive_int, default=4, metavar="N", help="ranks that save (default: 4)")
     demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="M", help="ranks that load (default: 3)")
     demo.add_argument("--steps", type=_non_negative_int, default=2, metavar="K", help="training steps (default: 2)")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import ConfigError
 from ..store.protocol import PartLimits
-from .backend import GCSBackend, LocalBackend, S3Backend
+from .backend import AzureBackend, Backend, GCSBackend, LocalBackend, S3Backend
 from .reader import CloudReader
 from .staging import StagingConfig
 from .writer import CloudWriter
@@ -28,6 +29,82 @@ def _gcs_backend(project: str | None, endpoint: str | None, credentials: Any, co
     if config is not None and (project is not None or endpoint is not None):
         raise ConfigError("pass project/endpoint either as keywords or inside config=GCSConfig(...), not both")
     return GCSBackend(config or GCSConfig(project=project, endpoint=endpoint), credentials)
+
+
+def _azure_backend(
+    checkpoint_id: str | os.PathLike[str] | None,
+    account: str | None,
+    endpoint: str | None,
+    credential: Any,
+    config: Any,
+) -> tuple[Any, AzureBackend]:
+    """(checkpoint id, backend): an ``https://<account>.blob.core.windows.net/...`` id becomes ``az://...``
+    and its account's endpoint goes into the config."""
+    import dataclasses
+
+    from ..store.azure import AzureConfig
+    from ..uri import split_azure_url
+
+    if config is not None and (account is not None or endpoint is not None):
+        raise ConfigError("pass account/endpoint either as keywords or inside config=AzureConfig(...), not both")
+    split = split_azure_url(checkpoint_id) if checkpoint_id is not None else None
+    if split is not None:
+        checkpoint_id, url_endpoint = split
+        given = config.endpoint if config is not None else endpoint
+        if given is not None and given.rstrip("/") != url_endpoint:
+            raise ConfigError(
+                f"the checkpoint URL names the endpoint {url_endpoint!r} but the endpoint {given!r} was given; "
+                "give one of them"
+            )
+        if config is not None:
+            config = dataclasses.replace(config, endpoint=url_endpoint)
+        else:
+            endpoint = url_endpoint
+    return checkpoint_id, AzureBackend(config or AzureConfig(account=account, endpoint=endpoint), credential)
+
+
+def _is_azure_id(checkpoint_id: str | os.PathLike[str]) -> bool:
+    from ..errors import InvalidURIError
+    from ..uri import split_azure_url
+
+    text = str(checkpoint_id)
+    try:
+        return text.startswith("az://") or split_azure_url(text) is not None
+    except InvalidURIError:
+        return True  # ours to refuse, with the reason
+
+
+#: The store options each URI scheme takes, as keywords (the maintenance functions', the safetensors
+#: functions'): ``endpoint_url``, ``region`` for S3; ``project``, ``endpoint``, ``credentials`` for GCS;
+#: ``account``, ``endpoint``, ``credential`` for Azure.
+STORE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "s3": ("endpoint_url", "region", "config", "part_limits"),
+    "gs": ("project", "endpoint", "credentials", "config"),
+    "az": ("account", "endpoint", "credential", "config"),
+    "file": (),
+}
+
+
+def backend_for(scheme: str, options: Mapping[str, Any]) -> Backend:
+    """The backend of a ``scheme://`` URI with the store ``options`` (see :data:`STORE_OPTIONS`);
+    ConfigError for an option the scheme does not take."""
+    allowed = STORE_OPTIONS[scheme]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for {scheme}:// URIs; accepted: {list(allowed) or 'none'}")
+    if scheme == "s3":
+        return _s3_backend(
+            options.get("endpoint_url"), options.get("region"), options.get("config"), options.get("part_limits")
+        )
+    if scheme == "gs":
+        return _gcs_backend(
+            options.get("project"), options.get("endpoint"), options.get("credentials"), options.get("config")
+        )
+    if scheme == "az":
+        return _azure_backend(
+            None, options.get("account"), options.get("endpoint"), options.get("credential"), options.get("config")
+        )[1]
+    return LocalBackend()
 
 
 class S3Writer(CloudWriter):
@@ -234,6 +311,95 @@ class GCSReader(CloudReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return str(checkpoint_id).startswith("gs://")
+
+
+class AzureWriter(CloudWriter):
+    """Save to ``az://container/prefix`` (or ``https://<account>.blob.core.windows.net/container/prefix``).
+
+    Credentials come from the environment (``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_KEY`` with
+    ``AZURE_STORAGE_ACCOUNT``, ``AZURE_STORAGE_SAS_TOKEN``), else azure-identity's ``DefaultAzureCredential``
+    (managed identity, AKS workload identity, ``az login``). ``account`` and ``endpoint`` (an emulator, a
+    private endpoint) override the environment's; an explicit ``credential`` (a SAS token, an
+    ``AzureNamedKeyCredential``, ``AzureSasCredential`` or token credential) is never pickled: use the
+    environment with the process-based ``async_save``. See :mod:`dcp_cloud.store.azure`.
+
+    ``base=`` saves incrementally and ``hashes=False`` opts out of recording content hashes, as for
+    :class:`S3Writer`.
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        account: str | None = None,
+        endpoint: str | None = None,
+        credential: Any = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+        staging: StagingConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 3,
+        base: str | os.PathLike[str] | None = None,
+        hashes: bool = True,
+        spread_prefixes: bool = False,
+    ) -> None:
+        checkpoint_id, backend = _azure_backend(checkpoint_id, account, endpoint, credential, config)
+        super().__init__(
+            checkpoint_id,
+            backend,
+            transfer=transfer,
+            retry=retry,
+            overwrite=overwrite,
+            checksums=checksums,
+            staging=staging,
+            compression=compression,
+            compression_level=compression_level,
+            base=base,
+            hashes=hashes,
+            spread_prefixes=spread_prefixes,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_azure_id(checkpoint_id)
+
+
+class AzureReader(CloudReader):
+    """Load from ``az://container/prefix`` or an Azure blob URL (same configuration as :class:`AzureWriter`)."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        account: str | None = None,
+        endpoint: str | None = None,
+        credential: Any = None,
+        config: Any = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        process_group: Any = None,
+        share_metadata: bool = True,
+        share_reads: bool = True,
+        staging: StagingConfig | None = None,
+    ) -> None:
+        checkpoint_id, backend = _azure_backend(checkpoint_id, account, endpoint, credential, config)
+        super().__init__(
+            checkpoint_id,
+            backend,
+            transfer=transfer,
+            retry=retry,
+            process_group=process_group,
+            share_metadata=share_metadata,
+            share_reads=share_reads,
+            staging=staging,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_azure_id(checkpoint_id)
 
 
 class LocalWriter(CloudWriter):

@@ -79,6 +79,43 @@ class GCSBackend:
 
 
 @dataclass(frozen=True)
+class AzureBackend:
+    """Azure Blob Storage (block blobs) through dcp_cloud's own client."""
+
+    config: Any = None  # dcp_cloud.store.azure.AzureConfig
+    #: An explicit credential object (key, SAS or token credential): usable in-process only, never pickled.
+    credential: Any = field(default=None, repr=False, compare=False)
+    schemes: tuple[str, ...] = ("az",)
+
+    def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore:
+        from ..store.azure import AzureConfig, AzureStore
+
+        return AzureStore(
+            bucket,
+            self.config or AzureConfig(),
+            credential=self.credential,
+            request_timeout=retry.request_timeout,
+            max_connections=transfer.concurrency * READ_BURST + 2,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.credential is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                "an Azure writer/reader built with an explicit credential= object cannot be sent to another "
+                "process (it may hold a key or token); put the credentials in the environment "
+                "(AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN) or rely on "
+                "DefaultAzureCredential for process-based async_save"
+            )
+        return {"config": self.config, "credential": None, "schemes": self.schemes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+
+@dataclass(frozen=True)
 class LocalBackend:
     """A local or shared filesystem directory (``file://`` URIs)."""
 

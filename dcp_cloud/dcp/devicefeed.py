@@ -26,7 +26,7 @@ import torch
 from ..transfer.budget import ByteBudget
 from ..transfer.upload import ObjectWriter
 from . import framing, serialize
-from .devicering import Mover, Ring, mover_for, plain, ring_for, routed
+from .devicering import Mover, Ring, device_path, moving, plain, routed
 from .ringstage import flat_bytes
 from .tensorbytes import tensor_bytes
 
@@ -35,6 +35,8 @@ MiB = 1 << 20
 LOOKAHEAD = 64
 #: Smallest half worth a feed: below it (a tiny memory budget) device items are copied as before.
 MIN_PIECE = MiB
+#: What a synchronous save from a device costs without the feed (measured on an H200: see the GPU guide).
+_NO_FEED_COST = "synchronous saves copy each device tensor to pageable memory first (.to('cpu'), serially)"
 
 
 def feedable(data: Any) -> bool:
@@ -98,7 +100,8 @@ class SaveFeed:
         self._order: deque[_Entry] = deque()  # entries not yet consumed, in order
         self.more: Callable[[], bool] = lambda: False
         self._closed = False
-        mover.begin()
+        #: What a failed copy says it was doing.
+        self._what = f"copying a synchronous save's tensors off {device}"
 
     def add(self, tensor: torch.Tensor) -> None:
         """Queue ``tensor``'s bytes (consumed with :meth:`pieces`, in the order added)."""
@@ -108,6 +111,10 @@ class SaveFeed:
 
     def _fill(self) -> None:
         """Copy the next queued bytes into every free half (resolving items ahead to fill one up)."""
+        with moving(self._what):
+            self._fill_halves()
+
+    def _fill_halves(self) -> None:
         while self._free:
             half = self._free[0]
             pieces: list[tuple[_Entry, int, int]] = []
@@ -146,7 +153,8 @@ class SaveFeed:
             owner, at, n = batch.pieces[batch.taken]
             assert owner is entry
             if not batch.waited:
-                self._mover.wait(batch.ticket)
+                with moving(self._what):
+                    self._mover.wait(batch.ticket)
                 batch.waited = True
             yield self._host[batch.half][at : at + n]
             left -= n
@@ -161,10 +169,12 @@ class SaveFeed:
         if self._closed:
             return
         self._closed = True
-        fence = self._mover.record()
-        self._mover.wait(fence)
-        self._ring.release(self._slot)
-        self._budget.release(2 * self.piece)
+        try:
+            with moving(self._what):
+                self._mover.wait(self._mover.record())
+        finally:  # a chunk whose copies failed is given back all the same (the next lease waits on nothing)
+            self._ring.release(self._slot)
+            self._budget.release(2 * self.piece)
 
 
 class Resolver:
@@ -252,11 +262,12 @@ def save_resolver(
     def open_feed(first: torch.Tensor) -> SaveFeed | None:
         if not alignment:
             return None
-        ring = ring_for(first.device, staging)
-        piece = piece_bytes(ring.chunk_bytes, budget, part_size()) if ring is not None else 0
-        if ring is None or not piece:
+        path = device_path(first.device, staging, _NO_FEED_COST)
+        if path is None:
             return None
-        return SaveFeed(first.device, ring, mover_for(first.device), piece, budget)
+        ring, mover = path
+        piece = piece_bytes(ring.chunk_bytes, budget, part_size())
+        return SaveFeed(first.device, ring, mover, piece, budget) if piece else None
 
     def frame_of(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         return framing.host_copy_frame(tensor, alignment) if alignment else None

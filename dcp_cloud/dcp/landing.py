@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-from .devicering import Mover, Ring, Slot, mover_for, ring_for
+from .devicering import Mover, Ring, Slot, device_path, moving, ring_for
 from .tensorbytes import tensor_bytes
 
 #: Alignment of every allocation in a region (cache lines).
 _ALIGN = 64
+#: What a load into a device costs without the landing chunks (measured on an H200: see the GPU guide).
+_NO_LANDING_COST = "loads into device tensors read each item into a host temporary, then copy it (serially)"
 
 
 class DeviceSpan:
@@ -72,7 +74,8 @@ class Landing:
         self.ring = ring
         self.mover = mover
         self._regions: deque[_Region] = deque(_Region(s) for s in ring.acquire_many(chunks))
-        mover.begin()  # copies into the destinations come after what the caller's stream queued
+        #: What a failed copy says it was doing.
+        self._what = f"copying a load's bytes onto {device}"
 
     def place(self, span: DeviceSpan) -> tuple[memoryview, Move] | None:
         """Host memory for ``span`` and the copy to make when it has landed; None while no region has room
@@ -85,7 +88,8 @@ class Landing:
             if oldest.outstanding:
                 return None
             if oldest.ticket is not None:
-                self.mover.wait(oldest.ticket)  # the copies out of it are done: use it again
+                with moving(self._what):
+                    self.mover.wait(oldest.ticket)  # the copies out of it are done: use it again
             self._regions.rotate(-1)
             region, at = oldest, 0
             region.fill, region.ticket = 0, None
@@ -121,16 +125,18 @@ class Landing:
         """Copy landed bytes to their device tensors (asynchronously); their regions may be reused once done."""
         if not moves:
             return
-        for _region, host, dest in moves:
-            self.mover.to_device(dest, host)
-        ticket = self.mover.record()
+        with moving(self._what):
+            for _region, host, dest in moves:
+                self.mover.to_device(dest, host)
+            ticket = self.mover.record()
         for region, _host, _dest in moves:
             region.outstanding -= 1
             region.ticket = ticket
 
     def publish(self) -> None:
         """Order the caller's stream after every copy so far (before a tensor goes to the planner)."""
-        self.mover.publish()
+        with moving(self._what):
+            self.mover.publish()
 
     def forget(self, moves: list[Move]) -> None:
         """Drop allocations whose request will never land (a failed load)."""
@@ -138,19 +144,26 @@ class Landing:
             region.outstanding -= 1
 
     def close(self) -> None:
-        """Wait for every copy, and give the chunks back to the ring."""
-        self.mover.synchronize()
+        """Wait for every copy, and give the chunks back to the ring (also where the copies failed)."""
         regions, self._regions = self._regions, deque()
-        for region in regions:
-            self.ring.release(region.slot)
+        try:
+            with moving(self._what):
+                self.mover.synchronize()
+        finally:
+            for region in regions:
+                self.ring.release(region.slot)
 
 
 def open_landing(device: torch.device, staging: Any, request_bytes: int, budget_bytes: int) -> Landing | None:
     """A landing for a load into ``device`` with ``staging``'s ring, or None where it cannot serve: the ring
     is off, has fewer than two chunks, or a chunk holds less than one request (``request_bytes``). It leases
     as many chunks as the load's byte budget (``budget_bytes``) fills, at least two."""
-    ring = ring_for(device, staging)
+    ring = ring_for(device, staging, _NO_LANDING_COST)
     if ring is None or ring.chunks < 2 or ring.chunk_bytes < request_bytes:
         return None
+    path = device_path(device, staging, _NO_LANDING_COST)
+    if path is None:
+        return None
+    ring, mover = path
     chunks = min(ring.chunks, max(2, -(-budget_bytes // ring.chunk_bytes)))
-    return Landing(device, ring, mover_for(device), chunks)
+    return Landing(device, ring, mover, chunks)

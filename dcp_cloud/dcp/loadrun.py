@@ -95,6 +95,7 @@ class LoadRun:
         #: The ring device destinations land through (see :mod:`.landing`).
         self.staging = staging or StagingConfig()
         self.landing: Landing | None = None
+        self._no_landing = False
         self.planner = planner
         self.transfer = transfer
         #: Most bytes of one planned request (``read_chunk_size`` unless :func:`.readplan.request_size` cut
@@ -211,9 +212,12 @@ class LoadRun:
         what: str,
         *,
         transforms: Sequence[str] | None = None,
+        raw: tuple[tuple[int, ...], torch.dtype] | None = None,
     ) -> None:
         """Read a whole stored item: bytes items, tensors written by stock torch, compressed items
-        (``transforms``: their descriptors, undone after the stored bytes are checked)."""
+        (``transforms``: their descriptors, undone after the stored bytes are checked), and raw tensor bytes
+        of shape and dtype ``raw`` whose wanted box is many short rows (copied out in one strided copy
+        rather than scattered row by row)."""
         lease = self.lease(info.length)
         buf = bytearray(info.length)
         if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
@@ -224,7 +228,7 @@ class LoadRun:
         planner = self.planner
 
         def finish() -> None:
-            commit_whole(planner, req, info, buf, transforms, what)
+            commit_whole(planner, req, info, buf, transforms, what, raw)
 
         self.pending.append(_Pending(futures, finish, lease, what))
 
@@ -286,9 +290,10 @@ class LoadRun:
 
     def _landing_for(self, target: torch.Tensor) -> bool:
         """Whether ``target``'s bytes can land through this run's pinned chunks (opening them at first use)."""
-        if self.landing is None:
+        if self.landing is None and not self._no_landing:
             most = max(self.chunk + self.chunk // TAIL_SLACK, self.transfer.checksum_block_size)
             self.landing = open_landing(target.device, self.staging, most, self.engine.budget.capacity)
+            self._no_landing = self.landing is None  # asked once per read: the plain path for the rest
         return self.landing is not None and target.device == self.landing.device
 
     def close_landing(self) -> None:

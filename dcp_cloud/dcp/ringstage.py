@@ -100,11 +100,11 @@ def copy_through_ring(
     sources: list[torch.Tensor], dests: list[torch.Tensor], ring: Ring, mover: Mover, threads: int
 ) -> None:
     """Copy each contiguous device source into its contiguous host destination of the same bytes, through
-    ``ring``'s chunks, with ``threads`` host threads; returns when every byte is in place."""
+    ``ring``'s chunks, with ``threads`` host threads; returns when every byte is in place. ``mover`` is
+    already ordered after the caller's stream (:func:`~.devicering.device_path`)."""
     src_bytes = [flat_bytes(s) for s in sources]
     dst_views = [np.frombuffer(tensor_bytes(d), dtype=np.uint8) if d.nbytes else None for d in dests]
     pool = _host_pool(threads)
-    mover.begin()
     inflight: list[Future[None]] = []
     error: list[BaseException] = []
     try:

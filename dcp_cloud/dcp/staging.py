@@ -26,6 +26,13 @@ and stages into a process-wide :class:`HostPool` instead:
   the still pageable arena; later saves copy straight into the pinned arena.
   With ``pin_arenas=False`` arenas stay pageable and every save goes through
   the ring.
+* pinning is an optimization: an arena that would take the host's pinned
+  memory past ``StagingConfig.pinned_limit_bytes`` (all ranks of the host
+  together, see :mod:`.pinledger`), or that the driver refuses to pin, stays
+  pageable (its saves go through the ring), with one warning per process;
+  a ring that cannot be made leaves device copies going straight to
+  pageable memory, as before the ring. ``DCP_CLOUD_CUDA_PATHS=off`` turns
+  all of it off: plain blocking copies into pageable arenas.
 
 Without CUDA the same pool works with pageable memory.
 """
@@ -46,7 +53,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .devicering import free_rings, mover_for, pin_tensor, plain, ring_for, routed
+from .devicering import PinCapError, cuda_paths_on, degrade, device_path, free_rings, moving, pin_tensor, plain, routed
+from .pinledger import LEDGER, default_cap
 from .ringstage import copy_through_ring
 from .torchprivate import dtensor_like, is_sharded_tensor
 
@@ -55,6 +63,15 @@ log = logging.getLogger("dcp_cloud")
 MiB = 1024 * 1024
 #: Alignment of every tensor inside a slab (any dtype, and cache-line friendly).
 _ALIGN = 64
+#: What a staging arena left pageable costs (measured on an H200, 4 GiB: see the GPU guide).
+_PAGEABLE_COST = (
+    "the arena stays pageable and every async_save of this layout copies through the pinned ring "
+    "(about 1.8x the stall of a pinned arena)"
+)
+#: What staging without the ring costs.
+_NO_RING_COST = "async_save copies device tensors straight into pageable memory (a slower first stall)"
+#: Set when the driver refused to pin an arena: not asked again until :func:`free_staging_pool`.
+_pin_refused = False
 
 
 @dataclass(frozen=True)
@@ -86,8 +103,14 @@ class StagingConfig:
     #: as fast as the device copies). ``False``: arenas stay pageable and every save goes through the ring
     #: (a device copy plus a host copy each time, and no ``cudaHostRegister`` of the arena).
     pin_arenas: bool = True
-    #: Host threads copying ring chunks into an arena; ``None``: up to 8, at most the CPUs.
+    #: Host threads copying ring chunks into an arena (the first save of a layout faults its pages in on
+    #: them); ``None``: this rank's share of the host's CPUs (CPUs / ``LOCAL_WORLD_SIZE``), at most 16.
     copy_threads: int | None = None
+    #: Most bytes of page-locked memory that the staging arenas and rings of every dcp_cloud process on
+    #: this host hold together (counted across processes, see the GPU guide). ``None``: half the host's
+    #: memory, or of the container's memory limit where that is lower. Past it, arenas stay pageable (their
+    #: saves go through the ring) and a ring that does not fit is not made, with one warning per process.
+    pinned_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.pool_bytes is not None and self.pool_bytes < 0:
@@ -106,11 +129,32 @@ class StagingConfig:
             raise ConfigError(f"ring_chunk_bytes must be >= 1 MiB, got {self.ring_chunk_bytes}")
         if self.copy_threads is not None and self.copy_threads < 1:
             raise ConfigError(f"copy_threads must be >= 1 or None, got {self.copy_threads}")
+        if self.pinned_limit_bytes is not None and self.pinned_limit_bytes < 0:
+            raise ConfigError(f"pinned_limit_bytes must be >= 0 or None, got {self.pinned_limit_bytes}")
 
     @property
     def host_threads(self) -> int:
         """Host threads copying ring chunks into arenas."""
-        return self.copy_threads or max(1, min(8, os.cpu_count() or 1))
+        return self.copy_threads or default_copy_threads()
+
+
+#: Most host-copy threads by default: on an H200 host (16 CPUs, 4 GiB state) the first stall's staging
+#: took 0.61 s with 8 threads and 0.35 s with 16 (faulting in a fresh arena's pages bounds it).
+MAX_COPY_THREADS = 16
+
+
+def default_copy_threads() -> int:
+    """This rank's share of the CPUs it may run on (torchrun's ``LOCAL_WORLD_SIZE`` ranks share the host),
+    between 1 and :data:`MAX_COPY_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        ranks = 1
+    return max(1, min(MAX_COPY_THREADS, cpus // ranks))
 
 
 def async_save_takes_futures() -> bool:
@@ -149,20 +193,35 @@ class Arena:
         """One byte view per tensor, in order."""
         return [self.slabs[s].narrow(0, off, size) for (s, off), size in zip(self.places, self.sizes, strict=False)]
 
-    def pin_in_background(self) -> None:
-        """Page-lock every slab from a background thread (the next save copies into pinned memory)."""
-        if self.pinned or self._pinning is not None:
+    def pin_in_background(self, cap: int | None) -> None:
+        """Page-lock every slab from a background thread (the next save copies into pinned memory), within
+        the host's ``cap`` on pinned memory; where that fails the arena stays pageable (see the module
+        docstring)."""
+        global _pin_refused
+        if self.pinned or self._pinning is not None or _pin_refused:
             return
 
         def pin_all() -> None:
+            global _pin_refused
+            unpins = []
             try:
+                limit = default_cap() if cap is None else cap
+                if not LEDGER.fits(self.nbytes, limit):
+                    raise PinCapError(
+                        f"page-locking this arena's {self.nbytes} bytes would take the host's pinned memory "
+                        f"past its cap of {limit} bytes (StagingConfig.pinned_limit_bytes)"
+                    )
                 for slab in self.slabs:
-                    pin_tensor(slab)
+                    unpins.append(pin_tensor(slab, cap))
                 self.pinned = True
             except Exception as exc:  # noqa: BLE001 - pageable memory still works, only slower
-                log.warning(
-                    "could not page-lock %d bytes of staging buffers (%s); staging stays pageable", self.nbytes, exc
-                )
+                for unpin in unpins:  # all or nothing: a partly pinned arena holds pinned bytes for no gain
+                    unpin()
+                if isinstance(exc, PinCapError):  # tried again for later saves: the host's pinned bytes vary
+                    self._pinning = None
+                else:
+                    _pin_refused = True  # the driver said no: not asked again until free_staging_pool()
+                degrade("page-locking an async_save staging arena", _PAGEABLE_COST, exc)
 
         self._pinning = threading.Thread(target=pin_all, name="dcp_cloud-pin", daemon=True)
         self._pinning.start()
@@ -244,8 +303,11 @@ def free_staging_pool() -> int:
 
     Buffers of a save still in flight are freed once it finishes. The pinned
     rings that device tensors pass through are freed too (made again at the
-    next save or load from or into a device).
+    next save or load from or into a device), and page-locking that failed
+    is tried again.
     """
+    global _pin_refused
+    _pin_refused = False
     return POOL.clear() + free_rings()
 
 
@@ -310,12 +372,13 @@ def _copy_through_rings(
             by_device.setdefault(src.device, []).append(i)
     done: set[int] = set()
     for device, indices in by_device.items():
-        ring = ring_for(device, config)
-        if ring is None:
+        path = device_path(device, config, _NO_RING_COST)
+        if path is None:
             continue
-        with torch.no_grad():
+        ring, mover = path
+        with torch.no_grad(), moving(f"staging {len(indices)} tensors of {device} through the pinned ring"):
             copy_through_ring(
-                [sources[i] for i in indices], [dests[i] for i in indices], ring, mover_for(device), config.host_threads
+                [sources[i] for i in indices], [dests[i] for i in indices], ring, mover, config.host_threads
             )
         done.update(indices)
     if not done:
@@ -324,22 +387,41 @@ def _copy_through_rings(
     return [sources[i] for i in left], [dests[i] for i in left]
 
 
+def _side_stream(device: torch.device) -> Any:
+    """A stream ordered after ``device``'s current one, or None (the CUDA paths off, or it cannot be made)."""
+    if not cuda_paths_on():
+        return None
+    try:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))  # everything training queued is in the copy
+    except Exception as exc:  # noqa: BLE001 - an optimization: blocking copies on the current stream
+        degrade(f"setting up a copy stream for {device}", "staging copies block on the current stream", exc)
+        return None
+    return side
+
+
 def _copy_all(sources: list[torch.Tensor], dests: list[torch.Tensor]) -> None:
-    """Copy every source into its destination; device tensors non-blocking on a side stream, one sync."""
+    """Copy every source into its destination; device tensors non-blocking on a side stream, one sync
+    (blocking copies on the current stream where no side stream can be had)."""
     on_device = [i for i, s in enumerate(sources) if s.device.type == "cuda"]
     with torch.no_grad():
         if on_device:
-            current = torch.cuda.current_stream(sources[on_device[0]].device)
-            side = torch.cuda.Stream(device=sources[on_device[0]].device)
-            side.wait_stream(current)  # everything training queued before the save is in the copy
-            with torch.cuda.stream(side):
-                for i in on_device:
-                    dests[i].copy_(sources[i], non_blocking=True)
+            device = sources[on_device[0]].device
+            side = _side_stream(device)
+            with moving(f"staging {len(on_device)} tensors of {device}"):
+                if side is None:
+                    for i in on_device:
+                        dests[i].copy_(sources[i])
+                else:
+                    with torch.cuda.stream(side):
+                        for i in on_device:
+                            dests[i].copy_(sources[i], non_blocking=True)
         for i, src in enumerate(sources):
             if src.device.type != "cuda":
                 dests[i].copy_(src)
-        if on_device:
-            side.synchronize()
+        if on_device and side is not None:
+            with moving(f"staging {len(on_device)} tensors of {device}"):
+                side.synchronize()
 
 
 def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, Any], Lease]:
@@ -351,7 +433,7 @@ def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, 
     sources: list[torch.Tensor] = []
     _collect(state_dict, sources)
     sizes = tuple(int(t.numel()) * t.element_size() for t in sources)
-    pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
+    pin = (config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()) and cuda_paths_on()
     arena = POOL.acquire(sizes, config)
     lease = Lease(arena, config)
     try:
@@ -369,7 +451,7 @@ def stage(state_dict: dict[str, Any], config: StagingConfig) -> tuple[dict[str, 
         lease.release()
         raise
     if pin and config.pool and config.pin_arenas:
-        arena.pin_in_background()  # while this save uploads; the next one copies into pinned memory
+        arena.pin_in_background(config.pinned_limit_bytes)  # while this save uploads; the next copies into it
     return staged, lease
 
 

@@ -18,7 +18,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -64,8 +62,8 @@ from .layout import (
     storage_info,
 )
 from .metashare import in_process_group
-from .staging import Lease, StagingConfig, stage_in_background
-from .staging import stage as stage_state
+from .stager import PooledStager
+from .staging import Lease, StagingConfig
 from .stripes import Committer, split_runs, stripe_count, stripe_name
 from .tensorbytes import values_of
 
@@ -82,7 +80,7 @@ class _ShardPlan:
     refs: dict[Any, incremental.BaseRef] | None = None
 
 
-class CloudWriter(CloudBase, StorageWriter, AsyncStager):
+class CloudWriter(CloudBase, StorageWriter, PooledStager):
     """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one).
 
     It is also the stager of ``dcp.async_save``: the state is copied into host
@@ -91,10 +89,6 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
     training waits for one copy, not for an allocation, on every save after
     the first.
     """
-
-    # async_save needs no synchronize_staging() call: stage() returns a finished copy
-    # (or, with StagingConfig(background=True), a Future that async_save hands back).
-    _synchronize_after_execute = False
 
     #: Incremental saves: a rank's unchanged items are referenced only where they hold at least this fraction
     #: of the base object they are in, and this many bytes (else uploaded again; see
@@ -146,38 +140,6 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
         self._tiles = TileMap()
         self._begin()
 
-    # -- staging (torch's AsyncStager) --------------------------------------
-    def stage(self, state_dict: dict[str, Any]) -> Any:
-        """A training-safe copy of ``state_dict`` in pooled host memory (``dcp.async_save`` calls this)."""
-        if not self.staging.background:
-            staged, lease = stage_state(state_dict, self.staging)
-            self._leases.append(lease)
-            return staged
-        done: ConcurrentFuture[Any] = ConcurrentFuture()
-
-        def hand_over(fut: ConcurrentFuture[tuple[dict[str, Any], Lease]]) -> None:
-            try:
-                staged, lease = fut.result()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the Future
-                done.set_exception(exc)
-                return
-            self._leases.append(lease)
-            done.set_result(staged)
-
-        stage_in_background(state_dict, self.staging).add_done_callback(hand_over)
-        return done
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` returns a finished copy or a Future."""
-
-    def close(self) -> None:
-        """Nothing to close: the staging pool outlives writers (``dcp_cloud.free_staging_pool()`` frees it)."""
-
-    def _release_staged(self) -> None:
-        """This save's data is written: its staging buffers may serve the next save."""
-        if self._leases:
-            self._leases.pop(0).release()
-
     # -- per-checkpoint start ----------------------------------------------
     def _begin(self) -> None:
         """Check the target before any collective step, so typed errors reach the caller.
@@ -226,8 +188,9 @@ class CloudWriter(CloudBase, StorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         error, self._begin_error = getattr(self, "_begin_error", None), None
-        if error is not None:  # the constructor's (or reset's) check failed on this rank
-            raise error
+        staging_error, self._stage_error = self._stage_error, None  # async_save's staging failed on this rank
+        if error is not None or staging_error is not None:  # (or the constructor's / reset's check)
+            raise error or staging_error  # type: ignore[misc]
         # Torch calls reset() only when a checkpoint_id is passed, but this on every save:
         # a writer reused without one starts a new save here (fresh stats and clock), and
         # every save gets its own save_id (also copies pickled by async_save), which

@@ -4,7 +4,8 @@ failed saves left. One module per operation: ``listing``, ``inspection``, ``veri
 
 The functions take a URI and the same keyword arguments:
 
-* ``uri``: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///dir``.
+* ``uri``: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``, ``az://container[/prefix]`` (or an Azure
+  blob URL ``https://<account>.blob.core.windows.net/container[/prefix]``) or ``file:///dir``.
   :func:`list_checkpoints` and :func:`gc` treat it as a *root* under which
   any number of checkpoints live (``s3://bucket/run-7`` holds
   ``run-7/step-100/``, ``run-7/step-200/``...; the root may itself be a
@@ -14,6 +15,7 @@ The functions take a URI and the same keyword arguments:
 * store options, as the writers take them: ``endpoint_url``, ``region``,
   ``config`` (an ``S3Config``), ``part_limits`` for ``s3://``; ``project``,
   ``endpoint``, ``credentials``, ``config`` (a ``GCSConfig``) for ``gs://``;
+  ``account``, ``endpoint``, ``credential``, ``config`` (an ``AzureConfig``) for ``az://``;
   none for ``file://``.
 * ``store``: instead of store options, an already open ObjectStore bound to
   the URI's bucket (a custom backend, or a MemoryStore in tests); the URI's

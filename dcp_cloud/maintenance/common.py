@@ -15,18 +15,13 @@ from ..dcp.layout import is_shard_path
 from ..errors import ConfigError, UnsupportedOperationError
 from ..store.protocol import ObjectInfo, ObjectStore, PendingUpload
 from ..store.retry import RetryingStore
-from ..uri import CheckpointURI, parse_uri
+from ..uri import CheckpointURI, parse_uri, split_azure_url
 
 log = logging.getLogger("dcp_cloud.maintenance")
 
-_SCHEMES = ("s3", "gs", "file")
+_SCHEMES = ("s3", "gs", "az", "file")
 _METADATA = ".metadata"
 _SHARD_RE = re.compile(r"^__\d+_[^/]*\.distcp$")
-_STORE_OPTIONS = {
-    "s3": ("endpoint_url", "region", "config", "part_limits"),
-    "gs": ("project", "endpoint", "credentials", "config"),
-    "file": (),
-}
 
 
 # --------------------------------------------------------------------------
@@ -158,14 +153,24 @@ def _open(
     root: bool,
     store: ObjectStore | None = None,
 ) -> _Root:
-    from ..dcp.api import _gcs_backend, _s3_backend
-    from ..dcp.backend import LocalBackend
+    from ..dcp.api import STORE_OPTIONS, _azure_backend, backend_for
 
     if not isinstance(uri, str):
         uri = str(uri)
+    azure_backend = None
+    if store is None and split_azure_url(uri) is not None:  # https://<account>.blob.core.windows.net/...
+        unknown = sorted(set(store_kwargs) - set(STORE_OPTIONS["az"]))
+        if not unknown:
+            uri, azure_backend = _azure_backend(
+                uri,
+                store_kwargs.get("account"),
+                store_kwargs.get("endpoint"),
+                store_kwargs.get("credential"),
+                store_kwargs.get("config"),
+            )
     schemes = (store.scheme,) if store is not None else _SCHEMES
     parsed = _parse_root(uri, schemes) if root else parse_uri(uri, schemes)
-    allowed = () if store is not None else _STORE_OPTIONS[parsed.scheme]
+    allowed = () if store is not None else STORE_OPTIONS[parsed.scheme]
     unknown = sorted(set(store_kwargs) - set(allowed))
     if unknown:
         raise ConfigError(
@@ -180,22 +185,7 @@ def _open(
         return _Root(
             parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(store, retry), store, transfer, retry, False
         )
-    if parsed.scheme == "s3":
-        backend: Any = _s3_backend(
-            store_kwargs.get("endpoint_url"),
-            store_kwargs.get("region"),
-            store_kwargs.get("config"),
-            store_kwargs.get("part_limits"),
-        )
-    elif parsed.scheme == "gs":
-        backend = _gcs_backend(
-            store_kwargs.get("project"),
-            store_kwargs.get("endpoint"),
-            store_kwargs.get("credentials"),
-            store_kwargs.get("config"),
-        )
-    else:
-        backend = LocalBackend()
+    backend = azure_backend or backend_for(parsed.scheme, store_kwargs)
     raw = backend.open_store(parsed.bucket, transfer, retry)
     return _Root(
         parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(raw, retry), raw, transfer, retry, True, backend

@@ -92,11 +92,11 @@ def copy_checkpoint(
     progress: Progress | None = None,
     standalone: bool = False,
 ) -> CopyReport:
-    """Copy the committed checkpoint at ``source`` to ``destination`` (any of s3://, gs://, file://).
+    """Copy the committed checkpoint at ``source`` to ``destination`` (any of s3://, gs://, az://, file://).
 
     ``source_options`` / ``destination_options`` are the store options of
     each end (as the maintenance functions take them: ``endpoint_url``,
-    ``region`` for S3; ``project``, ``endpoint`` for GCS); ``source_store`` /
+    ``region`` for S3; ``project``, ``endpoint`` for GCS; ``account``, ``endpoint`` for Azure); ``source_store`` /
     ``destination_store`` an already open store instead. Raises
     CheckpointNotFoundError if ``source`` is not committed,
     CheckpointExistsError if ``destination`` is (and ``overwrite`` is off, or

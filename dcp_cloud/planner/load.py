@@ -102,6 +102,10 @@ class ScaleLoadPlanner(DefaultLoadPlanner):
         strict = not self.allow_partial_load
         requests: list[ReadItem] = []
         saved = metadata.state_dict_metadata
+        if self.flatten_state_dict and _keys_reshaped(self.state_dict, saved):
+            # torch dropped an idle ShardedTensor of a list: the stock planner's key handling decides (its
+            # torch-2.3 re-flatten finds the state's keys again), as it does for stock's own loads
+            return super().create_local_plan()
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
             if md is None:
@@ -124,6 +128,17 @@ class ScaleLoadPlanner(DefaultLoadPlanner):
         if sweep is None or sweep.chunks is not chunks:
             sweep = self._sweeps[id(chunks)] = _ChunkSweep(chunks)
         return sweep
+
+
+def _keys_reshaped(state: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether flattening changed the shape of a rank's state against the checkpoint's keys: a key the
+    checkpoint lacks, or ``None`` where it has a tensor. Torch's ``_flatten_sharded_tensors`` drops a
+    ShardedTensor with no shard on the rank; in a list, that leaves ``None`` in its place (a hole), or
+    turns a list left without tensors into one leaf of plain values, whose key the checkpoint lacks."""
+    return any(
+        fqn not in saved or (obj is None and isinstance(saved[fqn], TensorStorageMetadata))
+        for fqn, obj in state.items()
+    )
 
 
 def indexed_reads(

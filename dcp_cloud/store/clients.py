@@ -9,7 +9,7 @@ first one's client and its warm keep-alive connections.
 
 The key is everything a client is built from: the store's frozen config, its
 timeouts and pool size, and the environment variables the SDK reads
-(``AWS_*``, ``GOOGLE_*``, ``STORAGE_EMULATOR_HOST``), so a changed endpoint or
+(``AWS_*``, ``GOOGLE_*``, ``STORAGE_EMULATOR_HOST``, ``AZURE_*``), so a changed endpoint or
 credential in the environment builds a new client. Only a digest of the
 environment is kept, never its values. A forked child drops (never closes) its
 parent's clients, whose sockets it must not share. A store keeps using the
@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 #: Environment variables that decide how an SDK client is built.
-_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCE_", "STORAGE_EMULATOR_HOST", "CLOUDSDK_")
+_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCE_", "STORAGE_EMULATOR_HOST", "CLOUDSDK_", "AZURE_")
 
 _lock = threading.Lock()
 _clients: dict[Hashable, Any] = {}

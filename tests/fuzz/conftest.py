@@ -1,9 +1,9 @@
 """Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
 
 Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory); ``s3-rgw``
-(Ceph's RADOS Gateway) and ``gcs`` (fake-gcs-server) in runs of their own. Another S3 server joins as
-one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its credentials in ``env``,
-its smallest multipart part); the fuzzer then draws it like the others.
+(Ceph's RADOS Gateway), ``gcs`` (fake-gcs-server) and ``azure`` (Azurite) in runs of their own. Another
+S3 server joins as one more ``Target(kind="s3", ...)`` in :func:`fuzz_targets` (its endpoint, its
+credentials in ``env``, its smallest multipart part); the fuzzer then draws it like the others.
 """
 
 from __future__ import annotations
@@ -62,9 +62,18 @@ def fuzz_targets(
 ) -> Iterator[dict[str, Target]]:
     """Every store a case may be drawn to run against, by name: S3 on moto and a local directory
     (``"moto+local"``, the default), S3 on Ceph's RADOS Gateway (``"rgw"``: a production S3
-    implementation, started for the session; skips where Ceph is not installed), or GCS on
-    fake-gcs-server (``"gcs"``)."""
+    implementation, started for the session; skips where Ceph is not installed), GCS on
+    fake-gcs-server (``"gcs"``) or Azure on Azurite (``"azure"``)."""
     stores = getattr(request, "param", STORES[0])
+    if stores == "azure":
+        azurite = request.getfixturevalue("azurite_server")
+        container = f"fuzz-{uuid.uuid4().hex[:12]}"
+        azurite.create_container(container)
+        # Azure takes blocks of any size: 256 KiB keeps small-part saves multipart without thousands of blocks
+        yield {"azure": Target("azure", "azure", container, endpoint_url=azurite.endpoint, env=azurite.env(),
+                               min_part_size=256 * 1024)}  # fmt: skip
+        azurite.delete_container(container)
+        return
     if stores == "gcs":
         emulator = request.getfixturevalue("gcs_emulator")
         bucket = f"fuzz-{uuid.uuid4().hex[:12]}"
@@ -130,7 +139,7 @@ def run_case(
             raise AssertionError(failed_before[blob])
         case_id = f"case-{next(_ids)}-{uuid.uuid4().hex[:8]}"
         workdir = _fuzz_root / case_id
-        outcome = fuzz_world.run((case, fuzz_targets[case.target], case_id, str(workdir)))
+        outcome = fuzz_world.run((case, fuzz_targets[case.target], case_id, str(workdir), False))
         failed = outcome.world_failure or any(r.error or r.mismatches for r in outcome.reports.values())
         if failed:
             text = failed_before[blob] = failure_text(case, outcome, label)
@@ -139,3 +148,23 @@ def run_case(
         return outcome
 
     return run
+
+
+@pytest.fixture
+def stock_probe(fuzz_world: World, _fuzz_root: Path) -> Callable[[Case], str]:
+    """``stock_probe(case)``: stock torch's save and load of ``case`` exactly as drawn (local disk only); the
+    first error any rank raised, or "" where stock saved it, loaded it and gave the built values."""
+
+    def probe(case: Case) -> str:
+        case_id = f"probe-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        disk = Target("local", "local", str(_fuzz_root / "probes"))
+        outcome = fuzz_world.run((case, disk, case_id, str(_fuzz_root / case_id), True))
+        if outcome.world_failure:
+            raise AssertionError(f"the world of ranks failed:\n{outcome.world_failure}")
+        first = next((r for r in outcome.reports.values() if r.error), None)
+        if first is not None:
+            return first.error
+        mismatches = [m for r in outcome.reports.values() for m in r.mismatches]
+        return "\n".join(mismatches)
+
+    return probe

@@ -14,7 +14,7 @@ that wrote it.
 A new store is one more :class:`Target` (see ``tests/fuzz/conftest.py``, which builds
 them from the session's servers): another S3 server (s3rver, Ceph RGW) is a ``kind="s3"``
 target with its own endpoint, credentials and smallest multipart part; GCS (fake-gcs-server)
-is the ``kind="gcs"`` target.
+is the ``kind="gcs"`` target, Azure (Azurite) the ``kind="azure"`` one.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ DEFAULT: Any = _Default()
 MIN_PART = "min_part"
 
 #: Where an option goes: TransferConfig (save and load each draw their own), the writer's or reader's
-#: keywords, StagingConfig, S3Config (S3 targets only), GCSConfig (GCS targets only), or how the case calls DCP.
-SCOPES = ("transfer", "writer", "reader", "staging", "s3", "gcs", "save", "load", "case")
+#: keywords, StagingConfig, S3Config (S3 targets only), GCSConfig (GCS targets only), AzureConfig (Azure targets
+#: only), or how the case calls DCP.
+SCOPES = ("transfer", "writer", "reader", "staging", "s3", "gcs", "azure", "save", "load", "case")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
     # -- GCSConfig -----------------------------------------------------------------------------------------
     Option("transport_checksums", "gcs", (DEFAULT, False), kinds=("gcs",)),
+    # -- AzureConfig: its transport_checksums (DEFAULT on Azurite's http:// endpoint: a Content-MD5 on every
+    # upload); named apart from GCS's, as names are unique in the table -----------------------------------------
+    Option("azure_transport_checksums", "azure", (DEFAULT, False), kinds=("azure",)),
     # -- how the case calls DCP ----------------------------------------------------------------------------
     #: dcp.save, or dcp.async_save through the writer's staging pool.
     Option("async_save", "save", (False, True)),
@@ -142,7 +146,8 @@ class Target:
 
     ``kind`` picks the writer/reader classes and the plain-SDK helpers the ranks use
     (``"s3"``: S3Writer/S3Reader and boto3; ``"gcs"``: GCSWriter/GCSReader and
-    google-cloud-storage; ``"local"``: LocalWriter/LocalReader and the filesystem).
+    google-cloud-storage; ``"azure"``: AzureWriter/AzureReader and azure-storage-blob;
+    ``"local"``: LocalWriter/LocalReader and the filesystem).
     ``root`` is the bucket (s3, gcs) or directory (local) the cases write under, each
     case under its own prefix.
     """
@@ -150,7 +155,7 @@ class Target:
     name: str
     kind: str
     root: str
-    #: S3 or GCS endpoint (None: local).
+    #: S3, GCS or Azure endpoint (None: local).
     endpoint_url: str | None = None
     region: str = "us-east-1"
     #: Environment the ranks set before a case on this target (credentials of an S3 server).
@@ -164,8 +169,8 @@ class Target:
 
 #: The sets of stores a differential run draws its cases' stores from (``fuzz_targets``'s parameter):
 #: S3 on moto and a local directory, S3 on Ceph's RADOS Gateway (a production S3 implementation), or
-#: GCS on fake-gcs-server.
-STORES = ("moto+local", "rgw", "gcs")
+#: GCS on fake-gcs-server, or Azure on Azurite.
+STORES = ("moto+local", "rgw", "gcs", "azure")
 
 
 def applicable(option: Option, kind: str) -> bool:

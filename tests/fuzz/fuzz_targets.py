@@ -1,6 +1,6 @@
 """Rank-side helpers per store kind: our writer/reader for a case, and plain-SDK (boto3, google-cloud-storage,
-filesystem) helpers to download, size and remove what a case stored. The plain helpers never use dcp_cloud
-code, so they check it.
+azure-storage-blob, filesystem) helpers to download, size and remove what a case stored. The plain helpers never
+use dcp_cloud code, so they check it.
 
 A target of a new kind is one more branch here; a new server of an existing kind needs none.
 """
@@ -22,6 +22,8 @@ def case_uri(target: Target, case_id: str, name: str) -> str:
         return f"s3://{target.root}/{case_id}/{name}"
     if target.kind == "gcs":
         return f"gs://{target.root}/{case_id}/{name}"
+    if target.kind == "azure":
+        return f"az://{target.root}/{case_id}/{name}"
     return str(Path(target.root, case_id, name))
 
 
@@ -44,7 +46,7 @@ def transfer_kwargs(target: Target, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def writer(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
-    """Our writer for ``uri`` on ``target``; ``store``: the case's S3Config or GCSConfig keywords."""
+    """Our writer for ``uri`` on ``target``; ``store``: the case's S3Config, GCSConfig or AzureConfig keywords."""
     import dcp_cloud
 
     if target.kind == "s3":
@@ -56,6 +58,8 @@ def writer(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
         return dcp_cloud.S3Writer(uri, config=config, part_limits=limits, **kw)
     if target.kind == "gcs":
         return dcp_cloud.GCSWriter(uri, config=_gcs_config(target, store), **kw)
+    if target.kind == "azure":
+        return dcp_cloud.AzureWriter(uri, config=_azure_config(target, store), **kw)
     return dcp_cloud.LocalWriter(uri, **kw)
 
 
@@ -69,6 +73,8 @@ def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
         return dcp_cloud.S3Reader(uri, config=config, **kw)
     if target.kind == "gcs":
         return dcp_cloud.GCSReader(uri, config=_gcs_config(target, store), **kw)
+    if target.kind == "azure":
+        return dcp_cloud.AzureReader(uri, config=_azure_config(target, store), **kw)
     return dcp_cloud.LocalReader(uri, **kw)
 
 
@@ -83,6 +89,8 @@ def maintenance_options(target: Target, store: dict[str, Any]) -> dict[str, Any]
         return {"config": config, "part_limits": limits}
     if target.kind == "gcs":
         return {"config": _gcs_config(target, store)}
+    if target.kind == "azure":
+        return {"config": _azure_config(target, store)}
     return {}
 
 
@@ -90,6 +98,24 @@ def _gcs_config(target: Target, store: dict[str, Any]) -> Any:
     from dcp_cloud.store.gcs import GCSConfig
 
     return GCSConfig(endpoint=target.endpoint_url, **store)
+
+
+def _azure_config(target: Target, store: dict[str, Any]) -> Any:
+    from dcp_cloud.store.azure import AzureConfig
+
+    fields = {"transport_checksums": store["azure_transport_checksums"]} if "azure_transport_checksums" in store else {}
+    return AzureConfig(endpoint=target.endpoint_url, **fields)
+
+
+def _azure(target: Target) -> Any:
+    """azure-storage-blob's client of the target's container (the connection string is in the ranks' env)."""
+    key = ("azure", target.endpoint_url or "")
+    if key not in _clients:
+        from azure.storage.blob import BlobServiceClient
+
+        service = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
+        _clients[key] = service.get_container_client(target.root)
+    return _clients[key]
 
 
 def _boto3(target: Target) -> Any:
@@ -120,6 +146,8 @@ def _gcs(target: Target) -> Any:
 def _keys(target: Target, prefix: str) -> list[tuple[str, int]]:
     if target.kind == "gcs":
         return [(b.name, int(b.size)) for b in _gcs(target).list_blobs(target.root, prefix=prefix)]
+    if target.kind == "azure":
+        return [(b.name, int(b.size)) for b in _azure(target).list_blobs(name_starts_with=prefix)]
     pages = _boto3(target).get_paginator("list_objects_v2").paginate(Bucket=target.root, Prefix=prefix)
     return [(o["Key"], int(o["Size"])) for page in pages for o in page.get("Contents", [])]
 
@@ -127,6 +155,8 @@ def _keys(target: Target, prefix: str) -> list[tuple[str, int]]:
 def _get(target: Target, key: str) -> bytes:
     if target.kind == "gcs":
         return bytes(_gcs(target).bucket(target.root).blob(key).download_as_bytes())
+    if target.kind == "azure":
+        return bytes(_azure(target).download_blob(key).readall())
     return bytes(_boto3(target).get_object(Bucket=target.root, Key=key)["Body"].read())
 
 
@@ -151,6 +181,10 @@ def remove(target: Target, case_id: str) -> None:
         bucket = _gcs(target).bucket(target.root)
         for key in keys:
             bucket.blob(key).delete()
+        return
+    if target.kind == "azure":
+        for key in keys:
+            _azure(target).delete_blob(key)
         return
     client = _boto3(target)
     for i in range(0, len(keys), 1000):

@@ -5,7 +5,9 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
 1. ``stock save``: stock ``FileSystemWriter`` saves the case's state (save layout, ``w1`` ranks);
 2. ``stock load``: stock ``FileSystemReader`` loads it into the load layout (``w2`` ranks): the
    expected leaves; they must also equal the values the case was built from (else the *oracle* is
-   wrong: a generator bug, or a torch one);
+   wrong: a generator bug, or a torch one). A layout stock torch cannot save or load is held plainly
+   there (:mod:`fuzz_oracle`); our run holds it as drawn where it can, and expects the values the case
+   was built from for it;
 3. ``base save`` (incremental cases): our writer saves the base (other values of the changed items);
    ``earlier save`` (overwrite cases): our writer saves those other values where the state will go;
    ``first save`` (writer_reuse cases that do not overwrite): they are saved elsewhere, by the writer
@@ -18,11 +20,13 @@ Phases (each on the first ``w1`` or ``w2`` ranks of the world, or on rank 0 alon
    time the whole state, a reader which in overwrite cases loaded the earlier save before the
    overwrite, and once more after a base overwrite);
 6. ``download`` (rank 0): every object of the case copied to disk with a plain SDK;
-7. ``stock load of ours``: stock ``FileSystemReader`` loads the downloaded copy: must equal too;
+7. ``stock load of ours``: stock ``FileSystemReader`` loads the downloaded copy into the oracle's
+   layouts: must equal what stock loaded of its own;
 8. ``incremental bytes`` (rank 0): the incremental save stored about the changed items' bytes only;
 9. ``leftovers`` (overwrite cases, rank 0): no object of the earlier save is left beside the state;
    ``copy`` (copy cases, rank 0): ``verify`` of the checkpoint, ``copy_checkpoint`` of it beside it or to
-   a local directory (standalone where incremental), ``verify`` of the copy; ``load of the copy``: our
+   a local directory (standalone where incremental), ``verify`` of the copy (it must check the same items
+   and bytes as the original's); ``load of the copy``: our
    reader loads the copy, which must equal the expected leaves too;
 10. ``base overwrite`` and ``load after base overwrite`` (overwrite and incremental cases): other
     values saved over the base with overwrite=True; the state must still load as expected;
@@ -41,14 +45,15 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import fuzz_targets as targets
 import torch.distributed as dist
-from fuzz_cases import Case
+from fuzz_cases import Case, partial
 from fuzz_options import Target, by_scope
+from fuzz_oracle import Exclusions, exclusions, held_plainly
 from fuzz_state import BASE, FILLER, FINAL, build, differences, identities, scribble, snapshot_state
 
 #: Bytes an incremental save may store beyond the changed items, per object it writes (index footer,
@@ -77,12 +82,24 @@ def _given(values: dict[str, Any]) -> dict[str, Any]:
 
 
 class CaseRun:
-    def __init__(self, ranks: Any, case: Case, target: Target, case_id: str, workdir: str) -> None:
-        self.ranks, self.case, self.target, self.case_id = ranks, case, target, case_id
+    def __init__(
+        self, ranks: Any, case: Case, target: Target, case_id: str, workdir: str, stock_only: bool = False
+    ) -> None:
+        self.ranks, self.target, self.case_id = ranks, target, case_id
+        #: Run stock's save and load of the case as drawn, nothing else (does stock torch run these layouts?).
+        self.stock_only = stock_only
+        self.excluded = Exclusions({}, {}) if stock_only else exclusions(case)
+        #: The case our run saves and loads: as drawn, but for the layouts no torch planner can hold.
+        self.case = held_plainly(case, self.excluded.ours)
+        #: The case stock torch runs (the oracle): every layout it cannot hold held plainly.
+        self.oracle = held_plainly(case, self.excluded.stock)
         self.work = Path(workdir)
         self.rank = ranks.rank
         self.report = RankReport(self.rank)
+        #: What our loads must give: stock's leaves, or the built values where stock cannot load the layout.
         self.expected: dict[str, Any] = {}
+        #: What stock's load of its own checkpoint gave (the oracle case's layouts).
+        self.stock_expected: dict[str, Any] = {}
         self.incremental = bool(case.opt("incremental"))
         self.overwrite = bool(case.opt("overwrite"))
         self._kept_reader: Any = None  # the load's reader, kept for a later load with it (reader_reuse)
@@ -140,17 +157,20 @@ class CaseRun:
     def stock_save(self) -> None:
         import torch.distributed.checkpoint as dcp
 
-        state = build(self.case, "save", FINAL, self.ranks)
+        state = build(self.oracle, "save", FINAL, self.ranks)
         writer = dcp.FileSystemWriter(str(self.work / "stock"), sync_files=False)
         dcp.save(state, storage_writer=writer, process_group=self.ranks.groups[self.case.w1])
 
-    def _load(self, reader: Any, api: str = "dcp", no_dist: bool = False, part: bool = False) -> dict[str, Any]:
-        """Load into a fresh load layout (``part``: of the partial_load items only); the leaves loaded."""
+    def _load(
+        self, reader: Any, api: str = "dcp", no_dist: bool = False, part: bool = False, case: Case | None = None
+    ) -> dict[str, Any]:
+        """Load into a fresh load layout of ``case`` (default: the case's; ``part``: of the partial_load items
+        only); the leaves loaded."""
         import torch.distributed.checkpoint as dcp
 
         import dcp_cloud
 
-        case = self.part if part else self.case
+        case = case or (self.part if part else self.case)
         target = build(case, "load", FILLER, self.ranks)
         before = identities(case, target)
         load = dcp_cloud.load if api == "dcp_cloud" else dcp.load
@@ -160,20 +180,22 @@ class CaseRun:
 
     @property
     def part(self) -> Case:
-        """The case with the items of its first top-level key left out (partial_load), where it has two or more."""
-        keys = sorted({str(it.path[0]) for it in self.case.items})
-        if len(keys) < 2:
-            return self.case
-        return replace(self.case, items=tuple(it for it in self.case.items if str(it.path[0]) != keys[0]))
+        """What a partial load asks for (:func:`fuzz_cases.partial`)."""
+        return partial(self.case)
 
     def stock_load(self) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.expected = self._load(dcp.FileSystemReader(str(self.work / "stock")))
-        truth = snapshot_state(self.case, build(self.case, "load", FINAL, self.ranks), None)
-        plain = {k: v[:-1] if v[0] in ("tensor", "shards") else v for k, v in self.expected.items()}
+        self.stock_expected = self._load(dcp.FileSystemReader(str(self.work / "stock")), case=self.oracle)
+        truth = snapshot_state(self.oracle, build(self.oracle, "load", FINAL, self.ranks), None)
+        plain = {k: v[:-1] if v[0] in ("tensor", "shards") else v for k, v in self.stock_expected.items()}
         what = f"ORACLE (stock torch vs the values the case was built from), rank {self.rank}"
         self.report.mismatches += differences(plain, truth, what)
+        self.expected = dict(self.stock_expected)
+        unlike = {".".join(map(str, path)) for path in self.excluded.checked_against_built}
+        if unlike:  # our load layout is not stock's: the values the case was built from, loaded in place
+            built = snapshot_state(self.case, build(self.case, "load", FINAL, self.ranks), None)
+            self.expected.update({key: (*built[key], "in place") for key in unlike})
 
     def _save(self, uri: str, which: str, writer: Any = None, checkpoint_id: str | None = None, **extra: Any) -> None:
         """Save the ``which`` values to ``uri`` with a new writer, or with ``writer`` (reused: ``checkpoint_id``
@@ -248,8 +270,9 @@ class CaseRun:
     def stock_load_ours(self) -> None:
         import torch.distributed.checkpoint as dcp
 
-        got = self._load(dcp.FileSystemReader(str(self.local / "ours")))
-        self.report.mismatches += differences(got, self.expected, f"stock load of our download, rank {self.rank}")
+        got = self._load(dcp.FileSystemReader(str(self.local / "ours")), case=self.oracle)
+        what = f"stock load of our download, rank {self.rank}"
+        self.report.mismatches += differences(got, self.stock_expected, what)
 
     def incremental_bytes(self) -> None:
         """The incremental save stored about the bytes of the changed items, whatever the base was saved with."""
@@ -298,7 +321,10 @@ class CaseRun:
         dcp_cloud.copy_checkpoint(
             self.ours, copied, source_options=store, destination_options=dest_store, standalone=self.incremental
         )
-        dcp_cloud.verify(copied, **dest_store)
+        copy_checked = dcp_cloud.verify(copied, **dest_store)
+        same = ("items_checked", "items_unverified", "bytes_verified")
+        if any(getattr(copy_checked, name) != getattr(checked, name) for name in same):
+            self.report.mismatches.append(f"verify of the copy: {copy_checked}; of the original: {checked}")
 
     def load_copy(self) -> None:
         dest = self._copy_target
@@ -372,6 +398,8 @@ class CaseRun:
     def phases(self) -> list[tuple[str, int, Any]]:
         c = self.case
         out: list[tuple[str, int, Any]] = [("stock save", c.w1, self.stock_save), ("stock load", c.w2, self.stock_load)]
+        if self.stock_only:
+            return out
         if self.incremental:
             out.append(("base save", c.w1, self.base_save))
         if self.overwrite:
@@ -402,17 +430,24 @@ class CaseRun:
 
 
 def run_case(
-    ranks: Any, case: Case, target: Target, case_id: str, workdir: str, notify: Callable[[str], None]
+    ranks: Any,
+    case: Case,
+    target: Target,
+    case_id: str,
+    workdir: str,
+    stock_only: bool,
+    notify: Callable[[str], None],
 ) -> RankReport:
-    """Run every phase of ``case`` on this rank (all ranks of the world call this together); ``notify``
-    tells the launcher of this rank's error at once (should the other ranks then hang)."""
+    """Run every phase of ``case`` on this rank (all ranks of the world call this together), or only stock's
+    save and load of it as drawn (``stock_only``); ``notify`` tells the launcher of this rank's error at once
+    (should the other ranks then hang)."""
     if ranks.last_target != target.name:
         import dcp_cloud
 
         os.environ.update(target.env)
         dcp_cloud.close_clients()
         ranks.last_target = target.name
-    run = CaseRun(ranks, case, target, case_id, workdir)
+    run = CaseRun(ranks, case, target, case_id, workdir, stock_only)
     try:
         for name, width, fn in run.phases():
             error = ""

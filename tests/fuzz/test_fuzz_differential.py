@@ -7,6 +7,10 @@ same case give the expected leaves, which ours, and a stock load of our checkpoi
 disk, must equal bit for bit. Incremental cases also check that only about the changed bytes were
 stored.
 
+Layouts stock torch cannot save or load leave their *items* out of the oracle, never their case
+(``fuzz_oracle``); every run books what it asked for, drew, ran and left out, by reason, prints it,
+and fails if a case was dropped or fewer ran than were asked for (``fuzz_ledger``).
+
 Tiers:
 
 * CI (the default): :data:`CI_CASES` cases, derandomized (the same cases on every run);
@@ -28,6 +32,7 @@ from typing import Any
 
 import pytest
 from fuzz_cases import Case, cases, decode_case, encode_case
+from fuzz_ledger import Ledger
 from fuzz_options import STORES, Target
 from fuzz_report import REPLAY, say
 from hypothesis import HealthCheck, Phase, given, settings
@@ -36,9 +41,10 @@ from hypothesis import seed as hypothesis_seed
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 #: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
-#: included), and on Ceph RGW and on GCS (a fraction of them each: the same code, other servers' answers).
+#: included), and on Ceph RGW, on GCS and on Azure (a fraction of them each: the same code, other servers'
+#: answers).
 CI_CASES = 200
-SHARES = {"rgw": 8, "gcs": 8}
+SHARES = {"rgw": 8, "gcs": 8, "azure": 8}
 
 
 def _tier(config: pytest.Config, stores: str) -> tuple[str, int, int | None]:
@@ -71,6 +77,7 @@ def test_differential(
     names = tuple(sorted(fuzz_targets))
     kinds = {name: t.kind for name, t in fuzz_targets.items()}
     done: list[float] = []
+    ledger = Ledger(f"{tier} ({stores})", count, check_share=tier == "ci")
     slowest: list[tuple[float, str, Case]] = []  # the slowest case so far: (seconds, label, case)
     incremental: list[dict[str, Any]] = []
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("DCP_CLOUD_FUZZ_SHRINK") else [])
@@ -85,19 +92,22 @@ def test_differential(
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(cases(names, kinds))
+    @given(ledger.counted(cases(names, kinds)))
     def one(case: Case) -> None:
         label = f"case {len(done) + 1} of {count}, {header}"
         outcome = run_case(case, label)
         done.append(outcome.seconds)
+        ledger.ran(case)
         if not slowest or outcome.seconds > slowest[0][0]:
             slowest[:] = [(outcome.seconds, label, case)]
         incremental.append(outcome.reports[0].facts)
 
     if seed is not None:
         one = hypothesis_seed(seed)(one)
+    finished = False
     try:
         one()
+        finished = True
     finally:
         spent = time.monotonic() - started
         checked = [f for f in incremental if f]
@@ -107,9 +117,12 @@ def test_differential(
             f"incremental byte checks: {len(checked)}, of which {sum(f['discriminating'] for f in checked)} "
             "would have failed had nothing been skipped",
         )
+        say(request.config, ledger.summary())
         if slowest:
             seconds, label, case = slowest[0]
             say(request.config, f"slowest: {label} ({seconds:.1f} s): " + REPLAY.format(blob=encode_case(case)))
+    problems = ledger.problems(finished)
+    assert not problems, f"the fuzz run's books do not balance ({ledger.summary()}):\n" + "\n".join(problems)
 
 
 @pytest.fixture

@@ -20,14 +20,15 @@ It is two tools in one:
   ``(method, path)`` (the path as sent, without the query), thread-safe, with
   :meth:`~FaultProxy.snapshot` and :meth:`~FaultProxy.reset_counters`;
 * a **fault injector** driven by a :class:`FaultPlan`: per-request
-  probabilities of a throttling answer (S3 ``503 SlowDown`` XML, or GCS-style
-  503 JSON with ``flavor="gcs"``), ``429``, ``500``, a connection reset (RST)
-  after reading the request or in the middle of the response body, a
-  truncated body (full ``Content-Length`` sent, then FIN after part of the
-  body), and a stall (nothing more is sent for ``stall_seconds``, then the
-  connection is closed). Faults are drawn from a seeded RNG, may be limited to
-  some methods / paths / requests and capped with ``max_faults``, and every
-  injected fault is counted by kind.
+  probabilities of a throttling answer (S3 ``503 SlowDown`` XML, GCS-style 503
+  JSON with ``flavor="gcs"``, Azure's ``503 ServerBusy`` with
+  ``flavor="azure"``), ``429``, ``500``, a connection reset (RST) after
+  reading the request or in the middle of the response body, a truncated body
+  (full ``Content-Length`` sent, then FIN after part of the body), and a stall
+  (nothing more is sent for ``stall_seconds``, then the connection is closed).
+  Faults are drawn from a seeded RNG, may be limited to some methods / paths /
+  requests and capped with ``max_faults``, and every injected fault is counted
+  by kind.
 
 Semantics worth knowing when writing assertions:
 

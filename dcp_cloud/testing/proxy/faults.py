@@ -158,6 +158,11 @@ def _draw_fault(plan: FaultPlan, rng: random.Random, decided: int, request: Requ
     return _Fault(kind, phase, fraction)
 
 
+def azure_error_code(kind: str) -> str:
+    """The ``x-ms-error-code`` of an injected error answer ``kind`` in Azure's shape."""
+    return {"slowdown": "ServerBusy", "throttle_429": "TooManyRequests", "error_500": "InternalError"}[kind]
+
+
 def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, str, bytes]:
     """(status, reason, content type, body) of the injected error answer ``kind`` in the shape of ``flavor``."""
     status, reason = {
@@ -181,6 +186,20 @@ def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, st
         }
         body = json.dumps({"error": error}).encode()
         return status, reason, "application/json; charset=UTF-8", body
+    if flavor == "azure":  # Azure Blob's throttling (503 ServerBusy) and server errors, as the service words them
+        code, message = (
+            azure_error_code(kind),
+            {
+                "slowdown": "The server is busy.",
+                "throttle_429": "The request rate is too high.",
+                "error_500": "Server encountered an internal error. Please try again after some time.",
+            }[kind],
+        )
+        body = (
+            '<?xml version="1.0" encoding="utf-8"?>'
+            f"<Error><Code>{code}</Code><Message>{message}\nRequestId:{request_id}</Message></Error>"
+        ).encode()
+        return status, reason, "application/xml", body
     code, message = {
         "slowdown": ("SlowDown", "Please reduce your request rate."),
         "throttle_429": ("TooManyRequests", "Please reduce your request rate."),

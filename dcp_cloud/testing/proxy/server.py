@@ -23,6 +23,7 @@ from .faults import (
     _draw_fault,
     _error_answer,
     _Fault,
+    azure_error_code,
 )
 from .http import (
     _HOP_BY_HOP,
@@ -46,8 +47,8 @@ from .stats import ProxyStats, TrafficCount, _Counters
 class FaultProxy:
     """A threaded HTTP/1.1 reverse proxy on 127.0.0.1 that counts bytes and injects faults.
 
-    ``upstream`` is ``http://host:port`` of the real server; ``flavor``
-    (``"s3"`` or ``"gcs"``) picks the shape of injected error bodies;
+    ``upstream`` is ``http://host:port`` of the real server (a path is ignored: requests keep theirs);
+    ``flavor`` (``"s3"``, ``"gcs"`` or ``"azure"``) picks the shape of injected error answers;
     ``chunk_size`` is the relay buffer per connection; ``io_timeout`` bounds
     every socket wait of the proxy (idle keep-alive connections included).
     ``shaping`` adds latency and a per-connection bandwidth cap (see
@@ -61,7 +62,7 @@ class FaultProxy:
         upstream: str,
         plan: FaultPlan | None = None,
         *,
-        flavor: Literal["s3", "gcs"] = "s3",
+        flavor: Literal["s3", "gcs", "azure"] = "s3",
         host: str = "127.0.0.1",
         port: int = 0,
         chunk_size: int = 1024 * 1024,
@@ -73,8 +74,8 @@ class FaultProxy:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"upstream must be an http://host:port URL, got {upstream!r}")
-        if flavor not in ("s3", "gcs"):
-            raise ValueError(f"flavor must be 's3' or 'gcs', got {flavor!r}")
+        if flavor not in ("s3", "gcs", "azure"):
+            raise ValueError(f"flavor must be 's3', 'gcs' or 'azure', got {flavor!r}")
         if chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096, got {chunk_size}")
         self.upstream = f"http://{parts.hostname}:{parts.port or 80}"
@@ -491,6 +492,8 @@ class FaultProxy:
         headers = [("Content-Type", ctype), ("Content-Length", str(len(body) if method != "HEAD" else 0))]
         if self.flavor == "s3":
             headers.append(("x-amz-request-id", "FAULTPROXY"))
+        if self.flavor == "azure":
+            headers += [("x-ms-error-code", azure_error_code(kind)), ("x-ms-request-id", "FAULTPROXY")]
         if close:
             headers.append(("Connection", "close"))
         client.sendall(_encode_head(f"HTTP/1.1 {status} {reason}", headers) + (body if method != "HEAD" else b""))
