@@ -1,8 +1,8 @@
 """A run of checkpoints through the CheckpointManager on every cell of the matrix (moto, s3rver, Ceph RGW; lean
-client and botocore), and on GCS (fake-gcs-server) and a local directory: resume from nothing, incremental
-async saves under keep_last=1 (the step holding a frozen tensor stays as the base of the newest), a save that
-fails at its commit and the leftovers the next commit's retention removes, bitwise loads of what is kept,
-nothing left of what is dropped, and ``dcp-cloud steps``."""
+client and botocore), and on GCS (fake-gcs-server), Azure (Azurite) and a local directory: resume from nothing,
+incremental async saves under keep_last=1 (the step holding a frozen tensor stays as the base of the newest), a
+save that fails at its commit and the leftovers the next commit's retention removes, bitwise loads of what is
+kept, nothing left of what is dropped, and ``dcp-cloud steps``."""
 
 from __future__ import annotations
 
@@ -120,3 +120,27 @@ def test_a_run_on_a_local_directory(tmp_path: Path) -> None:
         return sorted(f"run/{p.relative_to(tmp_path / 'run').as_posix()}" for p in files)
 
     exercise(root, manager, keys)
+
+
+def test_a_run_on_azure(azure_env: dict[str, str], azure_container: str) -> None:
+    from dcp_cloud.dcp.backend import AzureBackend
+    from dcp_cloud.store.azure import AzureStore
+
+    root = f"az://{azure_container}/run"
+
+    def manager(wire: Tripwire | None = None, **kw: Any) -> CheckpointManager:
+        backend = TripwireBackend(AzureBackend(), (wire,) if wire else ())
+        return CheckpointManager(root, transfer=SMALL_PARTS, backend=backend, **kw)
+
+    def keys() -> list[str]:
+        store = AzureStore(azure_container)
+        try:
+            return sorted(o.key for o in store.list("run/"))
+        finally:
+            store.close()
+
+    exercise(root, manager, keys)
+    plain = CheckpointManager(root)  # credentials from the environment, as a user builds it
+    target = _empty()
+    assert plain.load(target) == 5 and _same(target, _state(5))
+    plain.close()
