@@ -8,7 +8,9 @@ classified: where "committed" is decided), ``stepinfo`` (a step's record),
 ``policy`` (which steps stay: pure), ``retention`` (passes that delete),
 ``leases`` (readers' leases), ``storage`` (the root's store and each step's
 writer and reader), ``writer`` (the step's writer), ``group`` (collectives),
-``manager``.
+``saving`` (a save's data half and its errors), ``background`` (the save in
+flight and the retention it starts), ``view`` (rank 0's committed steps),
+``report`` (``describe``), ``manager`` (the public class).
 """
 
 from .manager import CheckpointManager

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
@@ -20,13 +19,14 @@ from ..errors import (
 )
 from ..store.protocol import ObjectStore
 from . import leases
+from .background import Background
 from .catalog import Directory
 from .group import Groups, exchange
 from .naming import StepNaming, check_step
 from .pending import InFlightSave, PendingSave
 from .policy import RetentionPolicy
 from .report import RunReport, describe, recorded_policy
-from .retention import InFlight, PassReport, Worker, run_pass
+from .retention import InFlight, PassReport, run_pass
 from .saving import agree, conflict, copy_outcome, failure_of, plain, typed_save
 from .stepinfo import StepRecord, check_user_metadata
 from .storage import RunStorage, WriterOptions
@@ -39,7 +39,7 @@ LEASE_TTL = 1800.0
 
 
 class CheckpointManager:
-    """The steps of one training run under ``root`` (``s3://bucket/run-7``, ``gs://...``, ``file:///dir``).
+    """The steps of one training run under ``root`` (``s3://bucket/run-7``, ``gs://...``, ``az://...``, ``file:///dir``).
 
     Each step ``n`` is a DCP checkpoint at ``<root>/step-<n>`` (``StepNaming``),
     committed when its ``.metadata`` exists. In a process group every method
@@ -60,7 +60,8 @@ class CheckpointManager:
 
     Store options are the writers' (``endpoint_url``, ``region``, ``config`` for
     ``s3://``; ``project``, ``endpoint``, ``credentials``, ``config`` for
-    ``gs://``); ``store=`` an open store (one process), ``backend=`` a picklable
+    ``gs://``; ``account``, ``endpoint``, ``credential``, ``config`` for
+    ``az://``); ``store=`` an open store (one process), ``backend=`` a picklable
     recipe. ``process_group``: the group the job's ranks save in (default: all
     ranks, through two gloo groups the manager makes; a group given here must
     have a CPU backend, and the manager's other calls then wait for a save in
@@ -115,14 +116,10 @@ class CheckpointManager:
         self._start_runtime()
 
     def _start_runtime(self) -> None:
-        self._lock = threading.Lock()
         #: Rank 0's view of the committed steps (rank 0 only lists; the other ranks hear its answers).
         self._view = View(lambda: self._storage.catalog, self.root)
-        self._pending: InFlightSave | None = None
-        self._failure: BaseException | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._worker: Worker | None = None
-        self._uploads_checked = False
+        #: The save in flight, its failure not raised yet, and the retention its commits start.
+        self._background = Background(self.root, self._retention_pass)
         self._closed = False
 
     # -- pickling: configuration only ------------------------------------------
@@ -168,12 +165,12 @@ class CheckpointManager:
     @property
     def last_retention(self) -> PassReport | None:
         """What the last retention pass of this process decided and did (rank 0; None before the first)."""
-        return self._worker.last if self._worker is not None else None
+        return self._background.last_retention
 
     # -- rank 0's view of the run ---------------------------------------------------
     def _collective(self, work: Any) -> list[Any]:
         if self._groups.shared:
-            self._settle_pending(raise_failure=False)
+            self._background.settle_pending(raise_failure=False)
         return exchange(self._groups, work)
 
     def _rank0(self, work: Any, check: Any = None) -> Any:
@@ -262,10 +259,11 @@ class CheckpointManager:
         try:
             typed_save(plain(state), pending.writer, planner, self._groups.saves() if self._groups.active else None)
         except BaseException as exc:
-            self._settle(pending, exc, keep=False)
-            raise self._failure_of(pending, exc) from exc
+            failure = self._failure_of(pending, exc)
+            self._background.settle(pending, failure, self._committed(pending), keep=False)
+            raise failure from exc
         pending.staged.set_result(None)
-        self._settle(pending, None)
+        self._background.settle(pending, None, self._committed(pending))
 
     def async_save(
         self,
@@ -294,11 +292,7 @@ class CheckpointManager:
             staged.add_done_callback(lambda f: copy_outcome(f, pending.staged))
         else:
             pending.staged.set_result(None)
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-cloud-run-save")
-            executor = self._executor
-        executor.submit(self._upload, pending, staged, staging_error, planner, group)
+        self._background.submit(self._upload, pending, staged, staging_error, planner, group)
         return PendingSave(pending)
 
     def _upload(
@@ -315,9 +309,9 @@ class CheckpointManager:
         try:
             typed_save(staged, pending.writer, planner, group)
         except BaseException as exc:  # noqa: BLE001 - kept for the next call on the main thread
-            self._settle(pending, exc)
+            self._background.settle(pending, self._failure_of(pending, exc), self._committed(pending))
             return
-        self._settle(pending, None)
+        self._background.settle(pending, None, self._committed(pending))
 
     def _begin(self, step: int, metadata: dict[str, Any] | None, overwrite: bool) -> InFlightSave:
         """Everything before the data moves: wait for the save in flight, agree on the step, build the writer."""
@@ -325,7 +319,7 @@ class CheckpointManager:
         lead = self._groups.rank() == 0
 
         def check() -> tuple[int, bool]:
-            self._settle_pending(raise_failure=True)
+            self._background.settle_pending(raise_failure=True)
             self._storage.prepare()
             return check_step(step), bool(overwrite)
 
@@ -333,8 +327,8 @@ class CheckpointManager:
             number = check_step(step)
             info = check_user_metadata(metadata)
             self.retention.metric_of(number, info)
-            if overwrite and self._worker is not None:
-                self._worker.wait()  # a pass must not clean up beside an overwrite of a committed step
+            if overwrite:
+                self._background.wait_retention()  # a pass must not clean up beside an overwrite of a committed step
             view = self._view.current()
             latest = max(view) if view else None
             if latest is not None and number <= latest and not overwrite:
@@ -362,72 +356,30 @@ class CheckpointManager:
         except CheckpointExistsError as exc:
             raise conflict(self.root, int(step), exc) from exc
         pending = InFlightSave(int(step), name, base, writer)
-        with self._lock:
-            self._pending = pending
+        self._background.begin(pending)
         return pending
 
-    def _settle(self, pending: InFlightSave, error: BaseException | None, keep: bool = True) -> None:
-        """Record the end of ``pending`` (once): its commit in the view and a retention pass, or its failure
-        (``keep``: raised by the next save, wait or close; a synchronous save raises it at once instead)."""
-        with self._lock:
-            if pending.settled.is_set():
+    def _committed(self, pending: InFlightSave) -> Any:
+        """What the commit of ``pending`` changes (rank 0): the view, the step's record, a retention pass."""
+
+        def record() -> None:
+            if self._groups.rank() != 0:
                 return
-            pending.settled.set()
-            if self._pending is pending:
-                self._pending = None
-        if error is not None:
-            failure = self._failure_of(pending, error)
-            with self._lock:
-                if keep:
-                    self._failure = failure
-                self._uploads_checked = False  # the next pass looks for the uploads it left
-            if keep:
-                log.error("the background save of step %d to %s failed: %s", pending.step, self.root, failure)
-            if not pending.staged.done():
-                pending.staged.set_exception(failure)
-            pending.committed.set_exception(failure)
-            return
-        if self._groups.rank() == 0:
-            record = getattr(pending.writer, "written", None)
+            written = getattr(pending.writer, "written", None)
             self._view.committed(pending.step, pending.name)
-            if isinstance(record, StepRecord):
-                self._storage.catalog.remember(pending.name, record)
-            self._request_retention()
-        pending.committed.set_result(pending.step)
-        log.info("committed step %d of %s", pending.step, self.root)
+            if isinstance(written, StepRecord):
+                self._storage.catalog.remember(pending.name, written)
+            self._background.request_retention()
+
+        return record
 
     def _failure_of(self, pending: InFlightSave, error: BaseException) -> BaseException:
         return failure_of(self.root, pending.step, error, self._groups.rank() if self._groups.active else None)
 
-    def _settle_pending(self, raise_failure: bool) -> None:
-        """Wait for the save in flight (if any) and, with ``raise_failure``, raise a failure not raised yet."""
-        with self._lock:
-            pending = self._pending
-        if pending is not None:
-            try:
-                pending.committed.result()
-            except BaseException:  # noqa: BLE001 - kept in self._failure
-                pass
-        if raise_failure:
-            with self._lock:
-                failure, self._failure = self._failure, None
-            if failure is not None:
-                raise failure
-
     # -- retention --------------------------------------------------------------------
-    def _request_retention(self) -> None:
-        with self._lock:
-            if self._worker is None:
-                self._worker = Worker(self._retention_pass)
-            worker = self._worker
-            uploads = not self._uploads_checked
-            self._uploads_checked = True
-        worker.request(uploads=uploads)
-
     def _retention_pass(self, uploads: bool) -> PassReport:
         seq = self._view.seq
-        with self._lock:
-            pending = self._pending
+        pending = self._background.in_flight()
         in_flight = InFlight(pending.name, pending.base) if pending is not None else None
         report = run_pass(
             self._storage.catalog,
@@ -499,11 +451,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the save in flight and (on rank 0) the retention it started; raise the save's error if it
         failed. Not collective."""
-        self._settle_pending(raise_failure=True)
-        with self._lock:
-            worker = self._worker
-        if worker is not None:
-            worker.wait()
+        self._background.settle_pending(raise_failure=True)
+        self._background.wait_retention()
 
     def close(self) -> None:
         """Wait for the save in flight and the deletions (see :meth:`wait`), then release the manager's threads
@@ -511,22 +460,11 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._settle_pending(raise_failure=False)
-            with self._lock:
-                worker = self._worker
-            if worker is not None:
-                worker.close()
+            self._background.close()
         finally:
             self._closed = True
-            with self._lock:
-                executor, self._executor = self._executor, None
-            if executor is not None:
-                executor.shutdown(wait=True)
             self._storage.close()
-        with self._lock:
-            failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
+        self._background.raise_failure()
 
     def _check_open(self) -> None:
         if self._closed:
