@@ -39,7 +39,7 @@ LEASE_TTL = 1800.0
 
 
 class CheckpointManager:
-    """The steps of one training run under ``root`` (``s3://bucket/run-7``, ``gs://...``, ``az://...``, ``file:///dir``).
+    """The steps of one training run under ``root`` (``s3://bucket/run-7``, ``gs://``, ``az://``, ``file:///dir``).
 
     Each step ``n`` is a DCP checkpoint at ``<root>/step-<n>`` (``StepNaming``),
     committed when its ``.metadata`` exists. In a process group every method
