@@ -100,6 +100,37 @@ class UnsupportedOperationError(StoreError, NotImplementedError):
     ListMultipartUploads."""
 
 
+class InvalidStepError(DcpCloudError, TypeError, ValueError):
+    """A step number is not a non-negative int (a float, a string, a tensor, a bool, a negative number)."""
+
+
+class StepExistsError(CheckpointExistsError):
+    """A save of a step at or below the run's newest committed step (without ``overwrite=True``), or a save
+    another job committed first; see ``step`` and ``latest``."""
+
+    def __init__(self, message: str, step: int | None = None, latest: int | None = None) -> None:
+        super().__init__(message)
+        #: The step that was refused.
+        self.step = step
+        #: The newest committed step of the run when it was refused (None if unknown).
+        self.latest = latest
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.step, self.latest))
+
+
+class StepMismatchError(DcpCloudError, ValueError):
+    """The ranks of a job passed different steps (or options) to one call of the checkpoint manager."""
+
+
+class NotARunError(DcpCloudError, ValueError):
+    """The root given to the checkpoint manager is not a run's root (e.g. it is itself a checkpoint)."""
+
+
+class MissingMetricError(DcpCloudError, LookupError):
+    """Retention keeps the best steps by a metric, and a step's metadata does not carry it as a number."""
+
+
 __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
@@ -111,10 +142,15 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpCloudError",
     "DeviceCopyError",
+    "InvalidStepError",
     "InvalidURIError",
+    "MissingMetricError",
     "NotACheckpointError",
+    "NotARunError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "StepExistsError",
+    "StepMismatchError",
     "StoreError",
     "ThrottledError",
     "TransientStoreError",

@@ -135,6 +135,24 @@ def test_open_writer_uploads_through_the_engine() -> None:
     assert store.get("obj") == b"hello world"
 
 
+def test_nothing_below_the_run_layer_imports_it() -> None:
+    """run/ sits above dcp/ and maintenance/: only the package's root and the command line import it."""
+    root = Path(dcp_cloud.__file__).parent
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("run", "cli") or rel == Path("__init__.py"):
+            continue
+        package = ".".join(("dcp_cloud", *rel.parent.parts))
+        if any(
+            name == "dcp_cloud.run" or name.startswith("dcp_cloud.run.") for name in _imported_modules(path, package)
+        ):
+            importers.append(str(rel))
+    assert importers == []
+    run_imports = _imported_modules(root / "run" / "manager.py", "dcp_cloud.run")
+    assert "dcp_cloud.run.view" in run_imports  # sanity: relative imports inside run/ are seen
+
+
 #: The modules outside ``store/azure/`` and ``testing/`` that may know Azure exists, and why (the store boundary:
 #: a backend is one folder plus its rows in these tables).
 AZURE_ALLOWED = {

@@ -282,8 +282,55 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(config, progress=_bars(args), as_json=args.json)
 
 
+def _policy(args: argparse.Namespace) -> Any:
+    from ..errors import ConfigError
+    from ..run import RetentionPolicy
+
+    rules = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best}
+    if args.metric is not None:
+        rules["best_metric"] = args.metric
+    if not any(v is not None for v in rules.values()):
+        return None
+    try:
+        return RetentionPolicy(**rules, best_mode=args.mode)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_steps(args: argparse.Namespace) -> int:
+    from ..run import CheckpointManager
+
+    with CheckpointManager(args.uri, retention=_policy(args), **store_kwargs(args)) as mgr:
+        report = mgr.describe()
+    if args.json:
+        _json(report)
+        return 0
+    if not report.steps:
+        print(
+            f"no steps under {args.uri}"
+            + (f" (other checkpoints: {', '.join(report.others)})" if report.others else "")
+        )
+        return 0
+    rows = [("STEP", "STATE", "SIZE", "SAVED (UTC)", "BASED ON", "KEPT BECAUSE", "METADATA")]
+    for s in report.steps:
+        if s.state == "partial":
+            why = "a save that never committed (or is running)"
+        else:
+            why = ", ".join(s.kept) if s.kept else "-> dropped by the next retention pass"
+        based = ", ".join(str(r) for r in s.references) or "-"
+        meta = json.dumps(s.metadata, sort_keys=True) if s.metadata else "-"
+        rows.append((str(s.step), s.state, size(s.total_bytes), when(s.saved_at), based, why, meta))
+    _table(rows, right=(0, 2))
+    policy = report.retention.describe()
+    print(f"retention: {policy} ({report.retention_source}); the newest step and the bases of kept steps always stay")
+    if report.others:
+        print(f"not steps of this run (left alone): {', '.join(report.others)}")
+    return 0
+
+
 COMMANDS = {
     "ls": cmd_ls,
+    "steps": cmd_steps,
     "inspect": cmd_inspect,
     "verify": cmd_verify,
     "cp": cmd_cp,

@@ -33,6 +33,7 @@ variables and DefaultAzureCredential); --endpoint overrides the endpoint.
 _EPILOG = """\
 examples:
   dcp-cloud ls s3://my-bucket/run-7
+  dcp-cloud steps s3://my-bucket/run-7 --keep-last 3
   dcp-cloud inspect s3://my-bucket/run-7/step-1000 --json
   dcp-cloud verify s3://my-bucket/run-7/step-1000
   dcp-cloud cp s3://my-bucket/run-7/step-1000 gs://other/run-7/step-1000
@@ -157,6 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read each committed checkpoint's metadata and show which checkpoints it is based on (incremental)",
     )
+
+    steps = commands.add_parser(
+        "steps",
+        parents=[store],
+        help="show a run's steps: committed or not, kept or dropped (and why), what depends on what",
+        description="Show the steps of the run under URI (a CheckpointManager's root): which are committed, which "
+        "the retention rules keep and why (the newest step, the last K, every N-th, the best K by a metric, the "
+        "base of a kept incremental step, a step a job is loading), which the next retention pass would drop, "
+        "which steps each one references, its size, time and saved metadata. The rules are those recorded with "
+        "the newest step, unless given here. Reads only.",
+    )
+    steps.add_argument("uri", metavar="URI", help="the run's root, e.g. s3://bucket/run-7")
+    steps.add_argument("--keep-last", type=_positive_int, metavar="K", help="rule: keep the newest K steps")
+    steps.add_argument(
+        "--keep-every", type=_positive_int, metavar="N", help="rule: keep every step that is a multiple of N"
+    )
+    steps.add_argument("--keep-best", type=_positive_int, metavar="K", help="rule: keep the best K steps by --metric")
+    steps.add_argument("--metric", metavar="NAME", help="key of the metric in the steps' saved metadata")
+    steps.add_argument("--mode", choices=("min", "max"), default="min", help="best is the lowest (min) or highest")
 
     inspect = commands.add_parser(
         "inspect",

@@ -291,6 +291,48 @@ def sort_out(items: Iterable[WriteItem], refs: dict[Any, BaseRef], resolve: Any,
     return out
 
 
+def worth_referencing(
+    out: Sorted,
+    items: Iterable[WriteItem],
+    refs: dict[Any, BaseRef],
+    resolve: Any,
+    min_fraction: float,
+    min_bytes: int = 0,
+) -> Sorted:
+    """Keep the references into a base object only where this rank's unchanged items there hold at least
+    ``min_fraction`` of that object's bytes and at least ``min_bytes``; the others are uploaded (moved to
+    ``out.hashed``).
+
+    A reference keeps the whole base object alive (and a run's retention keeps the whole base step), so a
+    few unchanged bytes (an optimizer's pickled param groups, a small frozen buffer) are cheaper to upload
+    again than to pin an old checkpoint with. Both 0 (the default of writers) reference every unchanged
+    item. An object's size is where its index footer ends (the footer is its last bytes).
+    """
+    if (min_fraction <= 0 and min_bytes <= 0) or not out.unchanged:
+        return out
+    used: dict[str, int] = defaultdict(int)
+    sizes: dict[str, int] = {}
+    for wr in out.unchanged:
+        ref = refs[wr.index]
+        used[ref.relative_path] += ref.length
+        if ref.footer is not None:
+            sizes[ref.relative_path] = ref.footer[0] + ref.footer[1]
+    worth = {path for path, n in used.items() if path in sizes and n >= max(min_bytes, min_fraction * sizes[path])}
+    if len(worth) == len(used):
+        return out
+    by_index = {item.index: item for item in items}
+    kept = []
+    for wr in out.unchanged:
+        ref = refs[wr.index]
+        if ref.relative_path in worth:
+            kept.append(wr)
+        else:
+            assert ref.digest is not None
+            out.hashed[wr.index] = (resolve(by_index[wr.index]), ref.digest)
+    out.unchanged = kept
+    return out
+
+
 def reference_result(item: WriteItem, ref: BaseRef) -> Any:
     """The write result of an unchanged item: a record naming the base's bytes."""
     from torch.distributed.checkpoint.storage import WriteResult

@@ -39,6 +39,9 @@ from ..errors import CorruptCheckpointError
 from .torchprivate import StorageInfo
 
 METADATA_NAME = ".metadata"
+#: A step's record in a run (the run layer writes it before the step's ``.metadata``: the user's metadata,
+#: the objects the step holds and references). Stock torch ignores it; rm deletes it with the checkpoint.
+STEP_INFO_NAME = ".step.json"
 SHARD_SUFFIX = ".distcp"
 _SHARD_NAME = re.compile(r"^__\d+_[^/]*\.distcp$")
 #: Version of DCP's format we write (torch's CURRENT_DCP_VERSION).

@@ -90,6 +90,12 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
     the first.
     """
 
+    #: Incremental saves: a rank's unchanged items are referenced only where they hold at least this fraction
+    #: of the base object they are in, and this many bytes (else uploaded again; see
+    #: ``incremental.worth_referencing``). 0 and 0: always.
+    _reference_min_fraction = 0.0
+    _reference_min_bytes = 0
+
     def __init__(
         self,
         checkpoint_id: str | os.PathLike[str],
@@ -258,6 +264,9 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
             # Items with a base item: hashed from memory first, then uploaded only if they differ from it.
             refs = incremental.with_digests(engine, self.uri, shard.refs) if shard.refs else {}
             base = incremental.sort_out(items, refs, resolve, item_nbytes)
+            base = incremental.worth_referencing(
+                base, items, refs, resolve, self._reference_min_fraction, self._reference_min_bytes
+            )
             done = {wr.index for wr in base.unchanged}
             items = [it for it in items if it.index not in done]
             # torch.save's storage alignment, read once per save (a process setting that framing depends on)

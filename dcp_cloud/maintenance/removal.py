@@ -10,7 +10,8 @@ is gone still knows the leftovers are checkpoint objects: the prefix may
 hold only ``.metadata``, shard objects ``__<rank>_<token>.distcp`` (dcp_cloud
 and stock torch name them so), stock torch's ``.metadata.tmp``, per-rank
 ``__<rank>.metadata`` and the probe of an interrupted commit
-(``.metadata.create-only-probe``, see dcp_cloud.dcp.createonly). Anything
+(``.metadata.create-only-probe``, see dcp_cloud.dcp.createonly) and the
+record a run's checkpoint manager keeps of a step (``.step.json``). Anything
 else under the prefix (another file, a nested checkpoint) makes rm refuse
 before it deletes anything.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.createonly import PROBE_NAME
-from ..dcp.layout import is_shard_path
+from ..dcp.layout import STEP_INFO_NAME, is_shard_path
 from ..errors import CheckpointInUseError, CheckpointNotFoundError, NotACheckpointError
 from ..store.protocol import ObjectInfo, ObjectStore
 from .common import _METADATA, _dirname, _is_shard, _open, _pending_uploads_or_none, _Root, log
@@ -32,7 +33,9 @@ from .dependents import committed_under, dependents_of
 from .progress import Progress, or_silent
 
 #: Other names a checkpoint prefix may hold: stock torch's metadata before its rename, per-rank metadata.
-_OTHER_CHECKPOINT_NAMES = re.compile(rf"^(\.metadata\.tmp|__\d+\.metadata|{re.escape(PROBE_NAME)})$")
+_OTHER_CHECKPOINT_NAMES = re.compile(
+    rf"^(\.metadata\.tmp|__\d+\.metadata|{re.escape(PROBE_NAME)}|{re.escape(STEP_INFO_NAME)})$"
+)
 _DELETE_BATCH = 1000
 #: Rounds of list-then-delete: a second round removes what a rank still writing added meanwhile.
 _ROUNDS = 3

@@ -1,0 +1,474 @@
+"""CheckpointManager: the steps of one training run under a root, saved, found, resumed and retained."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from ..config import RetryConfig, TransferConfig
+from ..dcp.backend import Backend
+from ..dcp.staging import StagingConfig
+from ..dcp.typed import load as typed_load
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpCloudError,
+    StepExistsError,
+)
+from ..store.protocol import ObjectStore
+from . import leases
+from .background import Background
+from .catalog import Directory
+from .group import Groups, exchange
+from .naming import StepNaming, check_step
+from .pending import InFlightSave, PendingSave
+from .policy import RetentionPolicy
+from .report import RunReport, describe, recorded_policy
+from .retention import InFlight, PassReport, run_pass
+from .saving import agree, conflict, copy_outcome, failure_of, plain, typed_save
+from .stepinfo import StepRecord, check_user_metadata
+from .storage import RunStorage, WriterOptions
+from .view import View
+
+log = logging.getLogger("dcp_cloud.run")
+
+#: Default seconds a reader's lease counts (it is rewritten every third of it while the load runs).
+LEASE_TTL = 1800.0
+
+
+class CheckpointManager:
+    """The steps of one training run under ``root`` (``s3://bucket/run-7``, ``gs://``, ``az://``, ``file:///dir``).
+
+    Each step ``n`` is a DCP checkpoint at ``<root>/step-<n>`` (``StepNaming``),
+    committed when its ``.metadata`` exists. In a process group every method
+    but :meth:`wait` and :meth:`close` is *collective*: call it on every rank,
+    with the same arguments (rank 0 lists the root once per job and tells the
+    others; any rank's error is raised on every rank). Alone, no group is used.
+
+    * :meth:`save` / :meth:`async_save` write a step; with ``incremental``
+      (default) it references the unchanged items of the newest committed step
+      instead of uploading them again. One save is in flight at a time: the next
+      waits for it; its failure is raised by the next save, :meth:`wait` or
+      :meth:`close`.
+    * :meth:`load` resumes from the newest committed step (or a given one) on
+      any world size, and returns None when the run has no step yet.
+    * after each commit, rank 0 applies ``retention`` in the background:
+      dropped steps and failed saves' leftovers are deleted, never a step a kept
+      step references, the newest step, or a step another job is loading.
+
+    Store options are the writers' (``endpoint_url``, ``region``, ``config`` for
+    ``s3://``; ``project``, ``endpoint``, ``credentials``, ``config`` for
+    ``gs://``; ``account``, ``endpoint``, ``credential``, ``config`` for
+    ``az://``); ``store=`` an open store (one process), ``backend=`` a picklable
+    recipe. ``process_group``: the group the job's ranks save in (default: all
+    ranks, through two gloo groups the manager makes; a group given here must
+    have a CPU backend, and the manager's other calls then wait for a save in
+    flight).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        retention: RetentionPolicy | None = None,
+        incremental: bool = True,
+        naming: StepNaming | None = None,
+        transfer: TransferConfig | None = None,
+        retry: RetryConfig | None = None,
+        staging: StagingConfig | None = None,
+        checksums: bool = True,
+        compression: str | None = None,
+        compression_level: int = 3,
+        spread_prefixes: bool = False,
+        process_group: Any = None,
+        lease_ttl: float = LEASE_TTL,
+        store: ObjectStore | None = None,
+        backend: Backend | None = None,
+        **store_kwargs: Any,
+    ) -> None:
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise ConfigError(f"retention must be a RetentionPolicy, got {type(retention).__name__}")
+        if naming is not None and not isinstance(naming, StepNaming):
+            raise ConfigError(f"naming must be a StepNaming, got {type(naming).__name__}")
+        if not isinstance(lease_ttl, (int, float)) or isinstance(lease_ttl, bool) or not lease_ttl > 0:
+            raise ConfigError(f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}")
+        #: Which committed steps stay (default: all of them).
+        self.retention = retention or RetentionPolicy()
+        self._retention_given = retention is not None
+        #: Save each step against the newest committed one (unchanged items are referenced, not uploaded).
+        self.incremental = bool(incremental)
+        self.naming = naming or StepNaming()
+        self.lease_ttl = float(lease_ttl)
+        self._storage = RunStorage(
+            root,
+            self.naming,
+            transfer or TransferConfig(),
+            retry or RetryConfig(),
+            staging or StagingConfig(),
+            WriterOptions(checksums, compression, compression_level, spread_prefixes),
+            store,
+            backend,
+            store_kwargs,
+        )
+        self._groups = Groups(process_group)
+        self._start_runtime()
+
+    def _start_runtime(self) -> None:
+        #: Rank 0's view of the committed steps (rank 0 only lists; the other ranks hear its answers).
+        self._view = View(lambda: self._storage.catalog, self.root)
+        #: The save in flight, its failure not raised yet, and the retention its commits start.
+        self._background = Background(self.root, self._retention_pass)
+        self._closed = False
+
+    # -- pickling: configuration only ------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("retention", "_retention_given", "incremental", "naming", "lease_ttl", "_storage", "_groups")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_runtime()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root!r})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - the exception already leaving the block wins
+            log.error("closing the checkpoint manager of %s failed too: %s", self.root, exc)
+
+    # -- properties ---------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        """The run's root URI."""
+        return self._storage.root_uri
+
+    def step_uri(self, step: int) -> str:
+        """The URI step ``step`` is saved at (a checkpoint any dcp_cloud reader or ``dcp-cloud`` command takes)."""
+        return self._storage.step_uri(self.naming.name(step))
+
+    @property
+    def requests(self) -> dict[str, int]:
+        """Store requests this process's manager made itself (listings, records, leases, deletions), by
+        operation; the writers' and readers' own requests are in their ``stats``."""
+        return dict(self._storage.requests)
+
+    @property
+    def last_retention(self) -> PassReport | None:
+        """What the last retention pass of this process decided and did (rank 0; None before the first)."""
+        return self._background.last_retention
+
+    # -- rank 0's view of the run ---------------------------------------------------
+    def _collective(self, work: Any) -> list[Any]:
+        if self._groups.shared:
+            self._background.settle_pending(raise_failure=False)
+        return exchange(self._groups, work)
+
+    def _rank0(self, work: Any, check: Any = None) -> Any:
+        """``work()`` on rank 0, its result on every rank (``check()``: run on every rank first, e.g. argument
+        checks, its result compared across ranks: a difference raises StepMismatchError everywhere)."""
+        lead = self._groups.rank() == 0
+
+        def both() -> tuple[Any, Any]:
+            mine = check() if check is not None else None
+            return mine, (work() if lead else None)
+
+        gathered = self._collective(both)
+        agree([g[0] for g in gathered])
+        return gathered[0][1]
+
+    def steps(self, *, refresh: bool = False) -> list[int]:
+        """The committed steps, oldest first. The first call lists the root (rank 0; later calls answer from
+        what the manager saw and did since; ``refresh=True`` lists again)."""
+        self._check_open()
+        return sorted(self._rank0(lambda: list(self._view.current(refresh))))
+
+    def latest_step(self, *, refresh: bool = False) -> int | None:
+        """The newest committed step, or None when the run has none."""
+        found = self.steps(refresh=refresh)
+        return found[-1] if found else None
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The metadata saved with ``step`` (``save(..., metadata=...)``), without loading a tensor: ``{}`` for a
+        step saved by other means. CheckpointNotFoundError when ``step`` is not committed."""
+        self._check_open()
+
+        def read() -> dict[str, Any]:
+            return dict(self._storage.catalog.known(self._directory_of(step)).record.metadata)
+
+        return self._rank0(read, lambda: check_step(step))
+
+    def describe(self) -> RunReport:
+        """The run's steps (committed and partial), each with why retention keeps it, or that the next pass drops
+        it; its size, record and readers. Lists the root anew. The rules are this manager's when it was given
+        ``retention=``, else those recorded with the newest step (what the job that saves the run applies)."""
+        self._check_open()
+
+        def work() -> RunReport:
+            catalog = self._storage.catalog
+            listing = catalog.list()
+            if listing.root_is_checkpoint:
+                self._view.relist()  # raises NotARunError
+            policy, source = self.retention, "given"
+            if not self._retention_given:
+                recorded, source = recorded_policy(catalog, listing)
+                policy = recorded or self.retention
+            return describe(catalog, listing, policy, source, self.root, self._storage.step_uri, self.lease_ttl)
+
+        return self._rank0(work)
+
+    def _directory_of(self, step: int) -> Directory:
+        """The directory of committed ``step`` (rank 0); CheckpointNotFoundError naming the steps there are."""
+        view = self._view.current()
+        if step not in view:
+            view = self._view.current(refresh=True)  # another job may have committed it since
+        if step not in view:
+            have = sorted(view)
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed step of {self.root}; committed: "
+                f"{have[-10:] if have else 'none'}{' (the last 10)' if len(have) > 10 else ''}"
+            )
+        return view[step]
+
+    # -- save -----------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        planner: Any = None,
+    ) -> None:
+        """Save ``state`` as ``step`` and wait until it is committed (retention then runs in the background).
+
+        ``metadata``: a small JSON dict stored with the step (rank 0's is kept; see :meth:`metadata`), e.g.
+        ``{"loss": 1.93}``. A step at or below the newest committed one raises StepExistsError unless
+        ``overwrite``. Waits for a save in flight first, and raises its error if it failed.
+        """
+        pending = self._begin(step, metadata, overwrite)
+        try:
+            typed_save(plain(state), pending.writer, planner, self._groups.saves() if self._groups.active else None)
+        except BaseException as exc:
+            failure = self._failure_of(pending, exc)
+            self._background.settle(pending, failure, self._committed(pending), keep=False)
+            raise failure from exc
+        pending.staged.set_result(None)
+        self._background.settle(pending, None, self._committed(pending))
+
+    def async_save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        planner: Any = None,
+    ) -> PendingSave:
+        """Copy ``state`` (the writer's staging, as ``dcp.async_save`` does) and save it as ``step`` in the
+        background; returns once training may change the state again (with ``StagingConfig(background=True)``,
+        once the returned handle's ``staged()`` returns). Same rules as :meth:`save`; the upload's failure is
+        raised by the next save, :meth:`wait` or :meth:`close`."""
+        pending = self._begin(step, metadata, overwrite)
+        group = self._groups.saves() if self._groups.active else None
+        staging_error: BaseException | None = None
+        try:
+            staged: Any = pending.writer.stage(plain(state))
+        except Exception as exc:  # noqa: BLE001 - carried into the save, where torch hands it to every rank
+            log.error("staging step %d failed: %s", pending.step, exc)
+            staging_error, staged = exc, {}
+        if staging_error is not None:
+            pending.staged.set_exception(staging_error)
+        elif isinstance(staged, Future):
+            staged.add_done_callback(lambda f: copy_outcome(f, pending.staged))
+        else:
+            pending.staged.set_result(None)
+        self._background.submit(self._upload, pending, staged, staging_error, planner, group)
+        return PendingSave(pending)
+
+    def _upload(
+        self, pending: InFlightSave, staged: Any, error: BaseException | None, planner: Any, group: Any
+    ) -> None:
+        """The background half of an async save (one thread per manager)."""
+        if error is None and isinstance(staged, Future):
+            try:
+                staged = staged.result()
+            except Exception as exc:  # noqa: BLE001 - as in async_save
+                error, staged = exc, {}
+        if error is not None:
+            pending.writer.fail_at_setup(error)  # this rank fails the save's first step: every rank hears of it
+        try:
+            typed_save(staged, pending.writer, planner, group)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next call on the main thread
+            self._background.settle(pending, self._failure_of(pending, exc), self._committed(pending))
+            return
+        self._background.settle(pending, None, self._committed(pending))
+
+    def _begin(self, step: int, metadata: dict[str, Any] | None, overwrite: bool) -> InFlightSave:
+        """Everything before the data moves: wait for the save in flight, agree on the step, build the writer."""
+        self._check_open()
+        lead = self._groups.rank() == 0
+
+        def check() -> tuple[int, bool]:
+            self._background.settle_pending(raise_failure=True)
+            self._storage.prepare()
+            return check_step(step), bool(overwrite)
+
+        def plan() -> tuple[str, str | None, dict[str, Any]]:
+            number = check_step(step)
+            info = check_user_metadata(metadata)
+            self.retention.metric_of(number, info)
+            if overwrite:
+                self._background.wait_retention()  # a pass must not clean up beside an overwrite of a committed step
+            view = self._view.current()
+            latest = max(view) if view else None
+            if latest is not None and number <= latest and not overwrite:
+                what = "is already committed" if number in view else f"is below the newest committed step {latest}"
+                raise StepExistsError(
+                    f"step {number} {what} in {self.root}: steps must grow. Pass overwrite=True to save it again, "
+                    "or resume with load() to continue from the newest step",
+                    number,
+                    latest,
+                )
+            name = view[number].name if number in view else self.naming.name(number)
+            below = [s for s in view if s < number]
+            base = view[max(below)].name if self.incremental and below else None
+            return name, base, info
+
+        name, base, info = self._rank0(plan, check)
+        record = {
+            "step": int(step),
+            "metadata": info if lead else {},
+            "base": base,
+            "retention": self.retention.to_json(),
+        }
+        try:
+            writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
+        except CheckpointExistsError as exc:
+            raise conflict(self.root, int(step), exc) from exc
+        pending = InFlightSave(int(step), name, base, writer)
+        self._background.begin(pending)
+        return pending
+
+    def _committed(self, pending: InFlightSave) -> Any:
+        """What the commit of ``pending`` changes (rank 0): the view, the step's record, a retention pass."""
+
+        def record() -> None:
+            if self._groups.rank() != 0:
+                return
+            written = getattr(pending.writer, "written", None)
+            self._view.committed(pending.step, pending.name)
+            if isinstance(written, StepRecord):
+                self._storage.catalog.remember(pending.name, written)
+            self._background.request_retention()
+
+        return record
+
+    def _failure_of(self, pending: InFlightSave, error: BaseException) -> BaseException:
+        return failure_of(self.root, pending.step, error, self._groups.rank() if self._groups.active else None)
+
+    # -- retention --------------------------------------------------------------------
+    def _retention_pass(self, uploads: bool) -> PassReport:
+        seq = self._view.seq
+        pending = self._background.in_flight()
+        in_flight = InFlight(pending.name, pending.base) if pending is not None else None
+        report = run_pass(
+            self._storage.catalog,
+            self.retention,
+            in_flight=in_flight,
+            lease_ttl=self.lease_ttl,
+            uploads=self._storage.pending_uploads if uploads else None,
+        )
+        if report.listing is not None:
+            self._view.after_pass(report.listing, report.dropped, seq)
+        return report
+
+    # -- load -------------------------------------------------------------------------
+    def load(
+        self, state: dict[str, Any], step: int | None = None, *, planner: Any = None, refresh: bool = False
+    ) -> int | None:
+        """Load the newest committed step (or ``step``) into ``state``, resharded onto this job's ranks, and
+        return its step; None when the run has no committed step yet (nothing to resume from).
+
+        ``state`` is what ``dcp.load`` takes (model and optimizer state dicts, ``Stateful`` objects). While it
+        loads, a lease in the root keeps every job's retention away from that step. The newest step is the
+        newest this manager knows of (its first call lists the root); ``refresh=True`` lists again, for a job
+        that follows another job's run.
+        """
+        self._check_open()
+        held: list[leases.Holding] = []
+
+        def check() -> int | None:
+            return None if step is None else check_step(step)
+
+        def choose() -> tuple[int, str] | None:
+            if step is None:
+                view = self._view.current(refresh)
+                if not view:
+                    return None
+                chosen = max(view)
+                name = view[chosen].name
+            else:
+                chosen = check_step(step)
+                name = self._directory_of(chosen).name
+            catalog = self._storage.catalog
+            try:
+                held.append(leases.take(catalog.store, catalog.list_prefix, name, chosen, self.lease_ttl))
+            except DcpCloudError as exc:  # e.g. read-only credentials: the load goes on without the protection
+                log.warning(
+                    "loading step %d of %s without a reader's lease (it could not be written: %s); the retention "
+                    "of the job that saves this run could delete the step while it loads",
+                    chosen,
+                    self.root,
+                    exc,
+                )
+            return chosen, name
+
+        try:
+            found = self._rank0(choose, check)
+            if found is None:
+                log.info("%s has no committed step: nothing to resume from", self.root)
+                return None
+            chosen, name = found
+            reader = self._storage.reader(name, self._groups.user)
+            typed_load(state, storage_reader=reader, planner=planner, process_group=self._groups.user)
+            log.info("loaded step %d of %s", chosen, self.root)
+            return chosen
+        finally:
+            for lease in held:
+                lease.release()
+
+    # -- end ----------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for the save in flight and (on rank 0) the retention it started; raise the save's error if it
+        failed. Not collective."""
+        self._background.settle_pending(raise_failure=True)
+        self._background.wait_retention()
+
+    def close(self) -> None:
+        """Wait for the save in flight and the deletions (see :meth:`wait`), then release the manager's threads
+        and connections; raises the save's error if it failed. Idempotent; not collective."""
+        if self._closed:
+            return
+        try:
+            self._background.close()
+        finally:
+            self._closed = True
+            self._storage.close()
+        self._background.raise_failure()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"the checkpoint manager of {self.root} is closed; build a new one")
+
+
+__all__ = ["LEASE_TTL", "CheckpointManager"]
