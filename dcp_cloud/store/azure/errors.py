@@ -8,9 +8,7 @@ they never carry a key, a SAS token, a bearer token or a body.
 from __future__ import annotations
 
 import http.client
-import ssl
 import time
-from typing import Any
 
 from ...errors import (
     AccessDeniedError,
@@ -25,6 +23,7 @@ from ...errors import (
     TransientStoreError,
     UnsupportedOperationError,
 )
+from ..tlscheck import caused_by_cert_failure
 
 
 class AzureHTTPError(Exception):
@@ -76,20 +75,6 @@ def _detail(exc: AzureHTTPError) -> str:
     if exc.request_id:
         parts.append(f"request id {exc.request_id}")
     return ", ".join(parts)
-
-
-def _cert_failure(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        cur = todo.pop()
-        if not isinstance(cur, BaseException) or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, ssl.SSLCertVerificationError):
-            return True
-        todo.extend([cur.__cause__, cur.__context__, getattr(cur, "reason", None), *cur.args])
-    return False
 
 
 def _transient_types() -> tuple[type[BaseException], ...]:
@@ -158,7 +143,7 @@ def _translate(
             "AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or log in"
         )
     if not isinstance(exc, AzureHTTPError):
-        if _cert_failure(exc):
+        if caused_by_cert_failure(exc):
             return StoreError(
                 f"the TLS certificate of the Azure endpoint for {where} could not be verified ({kind}); "
                 "check the endpoint, or point REQUESTS_CA_BUNDLE / SSL_CERT_FILE at your CA bundle"

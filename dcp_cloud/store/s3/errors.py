@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import http.client
-import ssl
 import sys
-from typing import Any
 
 from ...errors import (
     AccessDeniedError,
@@ -19,6 +17,7 @@ from ...errors import (
     TransientStoreError,
     UnsupportedOperationError,
 )
+from ..tlscheck import caused_by_cert_failure
 from .s3xml import MalformedResponseError
 
 _BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
@@ -63,24 +62,6 @@ _REGION_CODES = frozenset(
 
 def _s3_url(bucket: str, key: str | None) -> str:
     return f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
-
-
-def _caused_by_cert_failure(exc: BaseException) -> bool:
-    """True if a TLS certificate check (not a dropped connection) is behind ``exc``."""
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        cur = todo.pop()
-        if not isinstance(cur, BaseException) or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, ssl.SSLCertVerificationError):
-            return True
-        todo.extend([cur.__cause__, cur.__context__, *cur.args])
-        kwargs = getattr(cur, "kwargs", None)
-        if isinstance(kwargs, dict):
-            todo.append(kwargs.get("error"))
-    return False
 
 
 def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "access") -> DcpCloudError:
@@ -191,7 +172,7 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
             f"could not obtain AWS credentials to {action} {where} ({type(exc).__name__}): "
             "check AWS_PROFILE / SSO login / the instance role"
         )
-    if isinstance(exc, (bce.SSLError, u3e.SSLError)) and _caused_by_cert_failure(exc):
+    if isinstance(exc, (bce.SSLError, u3e.SSLError)) and caused_by_cert_failure(exc):
         return StoreError(
             f"TLS certificate of the S3 endpoint was rejected while trying to {action} {where}: "
             "fix the endpoint URL or AWS_CA_BUNDLE"
