@@ -244,3 +244,68 @@ def test_an_interrupted_export_never_looks_complete(moto_server: Any, s3_bucket:
     state = {f"w{i}": torch.zeros(1000) for i in range(3)}
     _load(state, SafetensorsReader(out))
     assert all(torch.equal(state[f"w{i}"], torch.full((1000,), float(i))) for i in range(3))
+
+
+def _byte_range(request: Any) -> tuple[int, int] | None:
+    value = request.headers.get("range", "")
+    if request.method != "GET" or not value.startswith("bytes="):
+        return None
+    first, _, last = value[len("bytes=") :].partition("-")
+    return int(first), int(last or -1)
+
+
+@pytest.mark.parametrize("failing", ["read", "upload"])
+def test_a_failure_mid_file_aborts_its_upload(failing: str, moto_server: Any, s3_bucket: str, tmp_path: Path) -> None:
+    """A file goes out in stripes, the next read while the last is uploaded: when a read of a later stripe
+    fails for good (its upload already under way) or a later part's upload does (a read in flight), the
+    export raises the typed error after the read in flight has ended, aborts the multipart upload, and
+    leaves nothing; a new export commits."""
+    import threading
+
+    from dcp_cloud import TransferConfig
+    from dcp_cloud.store.s3 import S3Store
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    mib = 1024 * 1024
+    ck = f"s3://{s3_bucket}/ck"
+    big = torch.arange(6 * mib, dtype=torch.float32)  # 24 MiB: five stripes of 5 MiB, five parts
+    dcp.save({"w": big}, storage_writer=S3Writer(ck))
+    out = f"s3://{s3_bucket}/hf"
+    seen: list[str] = []
+
+    def watch(request: Any) -> bool:
+        seen.append(f"{request.method} {request.query}")
+        return failing == "upload" and request.method == "PUT" and "partNumber=3&" in f"{request.query}&"
+
+    def late_read(request: Any) -> bool:  # the data of the fourth stripe on (the footer is past 24 MiB)
+        span = _byte_range(request)
+        return failing == "read" and span is not None and 15 * mib <= span[0] < 24 * mib
+
+    transfer = TransferConfig(part_size=5 * mib, max_inflight_parts=8)
+    retry = RetryConfig(max_attempts=2, initial_backoff=0.0, max_backoff=0.0)
+    with (
+        FaultProxy(moto_server.endpoint_url, FaultPlan(error_500=1.0, when=late_read)) as src,
+        FaultProxy(moto_server.endpoint_url, FaultPlan(error_500=1.0, when=watch)) as dst,
+    ):
+        with pytest.raises(TransientStoreError):
+            export_safetensors(
+                ck,
+                out,
+                transfer=transfer,
+                retry=retry,
+                source_options={"endpoint_url": src.url},
+                destination_options={"endpoint_url": dst.url},
+            )
+        assert not [t for t in threading.enumerate() if t.name.startswith("dcp_cloud-export")]
+    assert any(s.startswith("POST") and "uploads" in s for s in seen), seen  # the upload was under way
+    assert any(s.startswith("DELETE") and "uploadId" in s for s in seen), seen  # and was aborted
+    store = S3Store(s3_bucket)
+    try:
+        assert [o.key for o in store.list("hf/")] == []
+        assert store.list_multipart("hf/") == []
+    finally:
+        store.close()
+    export_safetensors(ck, out, transfer=transfer)
+    state = {"w": torch.zeros_like(big)}
+    _load(state, SafetensorsReader(out))
+    assert torch.equal(state["w"], big)
