@@ -11,8 +11,8 @@ parts in flight.
 The index, ``model.safetensors.index.json``, is written last and create-only, so a directory is never
 seen as a complete model before every file is in place. Over a process group the files are shared out in
 rounds (rank ``r`` writes files ``r``, ``r + world``, ...); after every round the ranks exchange how it
-went, so one rank's failure ends every rank after at most one file, with that error; the group's rank 0
-then writes the index.
+went (a rank may have started its next file then: that upload is aborted), so one rank's failure ends
+every rank after at most one file, with that error; the group's rank 0 then writes the index.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..transfer.engine import TransferEngine
 from ..uri import parse_uri
 from .format import INDEX_NAME, SINGLE_NAME, build_header, build_index, file_name
 from .plan import OutTensor, assign_files, select_tensors
-from .stream import STRIPE_BUFFERS, write_file
+from .stream import STRIPE_BUFFERS, write_files
 
 __all__ = ["DEFAULT_MAX_FILE_SIZE", "ExportReport", "export_safetensors"]
 
@@ -183,22 +183,14 @@ def export_safetensors(
         assert dst is not None and reader is not None
         files: list[tuple[str, bytes, list[OutTensor]]] = state["files"]
         mine = list(range(rank, len(files), world))
-        written = 0
+        rounds = [
+            (f"{dst.prefix}/{files[i][0]}", files[i][1], files[i][2]) if (i := first + rank) < len(files) else None
+            for first in range(0, len(files), world)
+        ]
         bar.start(f"export {reader.checkpoint_id} -> {dst.checkpoint_uri(dst.prefix)}", _bytes_of(files, mine))
         try:
             with TransferEngine(dst.raw, writes, retry) as engine:
-                for first in range(0, len(files), world):
-                    error = None
-                    index = first + rank
-                    if index < len(files):
-                        name, header, tensors = files[index]
-                        try:
-                            written += write_file(
-                                reader, md, engine, f"{dst.prefix}/{name}", header, tensors, stripe_budget, bar
-                            )
-                        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
-                            error = exc
-                    _agree(group, error)
+                written = write_files(reader, md, engine, rounds, stripe_budget, bar, lambda e: _agree(group, e))
         finally:
             bar.done()
         error = None
