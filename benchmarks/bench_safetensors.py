@@ -3,6 +3,7 @@
 
     python benchmarks/bench_safetensors.py                     # 512 MiB, 4 ranks, shaped path, 2 rounds
     python benchmarks/bench_safetensors.py --size-mb 64 --repeats 1   # a quick check
+    python benchmarks/bench_safetensors.py --repeats 1 --loads none   # export, cp and today only
 
 One s3rver, reached through two shaped proxies (``--latency-ms`` each way, ``--bandwidth-mbs`` per
 connection): the source side and the destination side, so that ``dcp-cloud cp`` streams through the
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--bandwidth-mbs", type=float, default=90.0)
-    p.add_argument("--loads", default="1:plain,4:shard0,4:shard1")
+    p.add_argument("--loads", default="1:plain,4:shard0,4:shard1", help="'none': the exports only")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="raw results (default bench-results/safetensors.json)")
@@ -332,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     import _ranks
     import _s3rver
 
-    runai = _install()
+    loads = [] if args.loads in ("", "none") else args.loads.split(",")
+    runai = _install() if loads else ""
     runs: list[dict[str, Any]] = []
     env_info = C.environment()
     with contextlib.ExitStack() as stack:
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         load_env.update(RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0", AWS_ENDPOINT_URL=reads.endpoint_url)
         load_env["PYTHONPATH"] = os.pathsep.join([runai, load_env["PYTHONPATH"]])
         for rnd in range(args.repeats):
-            for load in args.loads.split(","):
+            for load in loads:
                 world, layout = int(load.split(":")[0]), load.split(":")[1]
                 contenders = ["dcp_cloud", "runai", "boto3"]
                 for contender in contenders[rnd % 3 :] + contenders[: rnd % 3]:

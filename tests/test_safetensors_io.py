@@ -27,6 +27,7 @@ from dcp_cloud import (
     UnsupportedCheckpointError,
     export_safetensors,
 )
+from dcp_cloud.testing.multirank import run_ranks
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -244,3 +245,140 @@ def test_an_interrupted_export_never_looks_complete(moto_server: Any, s3_bucket:
     state = {f"w{i}": torch.zeros(1000) for i in range(3)}
     _load(state, SafetensorsReader(out))
     assert all(torch.equal(state[f"w{i}"], torch.full((1000,), float(i))) for i in range(3))
+
+
+def _byte_range(request: Any) -> tuple[int, int] | None:
+    value = request.headers.get("range", "")
+    if request.method != "GET" or not value.startswith("bytes="):
+        return None
+    first, _, last = value[len("bytes=") :].partition("-")
+    return int(first), int(last or -1)
+
+
+#: Where test_a_failure_mid_file_aborts_every_upload_under_way makes the export fail: the reads of the first
+#: file's fourth stripe; its third part; its completion, while the second file's first stripes go out; the
+#: second file's second part.
+MID_FILE_FAILURES = {
+    "read": lambda r, first: r.method == "GET" and 15 <= _range_start(r) / 2**20 < 24,
+    "upload": lambda r, first: first and r.method == "PUT" and "partNumber=3&" in f"{r.query}&",
+    "commit": lambda r, first: first and r.method == "POST" and "uploadId=" in r.query,
+    "later": lambda r, first: not first and r.method == "PUT" and "partNumber=2&" in f"{r.query}&",
+}
+
+
+def _range_start(request: Any) -> int:
+    value = request.headers.get("range", "")
+    return int(value[len("bytes=") :].partition("-")[0]) if value.startswith("bytes=") else -1
+
+
+@pytest.mark.parametrize("failing", sorted(MID_FILE_FAILURES))
+def test_a_failure_mid_file_aborts_every_upload_under_way(
+    failing: str, moto_server: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    """A file goes out in stripes, the next read while the last is uploaded, and the next file starts while
+    the last one is completed: wherever a read or an upload fails for good (see MID_FILE_FAILURES), the
+    export raises the typed error once the reads and commits under way have ended, aborts every multipart
+    upload it started, commits only the files finished before, and a new export commits."""
+    import threading
+
+    from dcp_cloud import TransferConfig
+    from dcp_cloud.store.s3 import S3Store
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    mib = 1024 * 1024
+    ck = f"s3://{s3_bucket}/ck"
+    state = {"a": torch.arange(6 * mib, dtype=torch.float32)}  # 24 MiB each: five stripes of 5 MiB, five parts
+    state["b"] = state["a"] + 1
+    dcp.save(state, storage_writer=S3Writer(ck))
+    out = f"s3://{s3_bucket}/hf"
+    seen: list[str] = []
+    fails = MID_FILE_FAILURES[failing]
+
+    def watch(request: Any) -> bool:
+        seen.append(f"{request.method} {request.query}")
+        return fails(request, "model-00001" in request.path)
+
+    transfer = TransferConfig(part_size=5 * mib, max_inflight_parts=8)
+    retry = RetryConfig(max_attempts=2, initial_backoff=0.0, max_backoff=0.0)
+    with (
+        FaultProxy(moto_server.endpoint_url, FaultPlan(error_500=1.0, when=watch)) as src,
+        FaultProxy(moto_server.endpoint_url, FaultPlan(error_500=1.0, when=watch)) as dst,
+    ):
+        with pytest.raises(TransientStoreError):
+            export_safetensors(
+                ck,
+                out,
+                max_file_size=24 * mib,
+                transfer=transfer,
+                retry=retry,
+                source_options={"endpoint_url": src.url},
+                destination_options={"endpoint_url": dst.url},
+            )
+        assert not [t for t in threading.enumerate() if t.name.startswith("dcp_cloud-export")]
+    assert any(s.startswith("POST") and "uploads" in s for s in seen), seen  # an upload was under way
+    assert any(s.startswith("DELETE") and "uploadId" in s for s in seen), seen  # and was aborted
+    store = S3Store(s3_bucket)
+    try:
+        kept = ["hf/model-00001-of-00002.safetensors"] if failing == "later" else []
+        assert [o.key for o in store.list("hf/")] == kept
+        assert store.list_multipart("hf/") == []
+    finally:
+        store.close()
+    export_safetensors(ck, out, max_file_size=24 * mib, transfer=transfer, overwrite=True)
+    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
+    _load(loaded, SafetensorsReader(out))
+    assert all(torch.equal(loaded[name], t) for name, t in state.items())
+
+
+def _export_on_ranks(rank: int, world: int, ck: str, out: str, endpoints: list[str]) -> str:
+    from dcp_cloud import DcpCloudError, TransferConfig
+
+    try:
+        export_safetensors(
+            ck,
+            out,
+            max_file_size=16 * 1024 * 1024,
+            transfer=TransferConfig(part_size=5 * 1024 * 1024, max_inflight_parts=8),
+            retry=RetryConfig(max_attempts=2, initial_backoff=0.0, max_backoff=0.0),
+            destination_options={"endpoint_url": endpoints[rank]},
+        )
+    except DcpCloudError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "exported"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_one_ranks_failure_ends_every_rank_within_its_file(moto_server: Any, s3_bucket: str, tmp_path: Path) -> None:
+    """2 ranks export 4 files (rank 0: files 1 and 3, rank 1: 2 and 4); every upload of file 2 fails, and the
+    completion of file 1 is held 2 s once (so rank 0's head start on file 3 gets its upload under way). Both
+    ranks raise after the first round, rank 0 the error of rank 1; rank 0's upload of file 3 is aborted:
+    only file 1 is left, no multipart upload, no index."""
+    from dcp_cloud.store.s3 import S3Store
+    from dcp_cloud.testing.moto_server import moto_env
+    from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+
+    ck = f"s3://{s3_bucket}/ck"
+    state = {f"w{i}": torch.full((4 * 1024 * 1024,), float(i)) for i in range(4)}  # 16 MiB each: 4 parts
+    dcp.save(state, storage_writer=S3Writer(ck))
+    out = f"s3://{s3_bucket}/hf"
+    fail = FaultPlan(error_500=1.0, methods=frozenset({"PUT", "POST"}), path_matches=lambda p: "model-00002" in p)
+    hold = FaultPlan(
+        stall=1.0,
+        stall_seconds=2.0,
+        phase="request",
+        max_faults=1,
+        when=lambda r: r.method == "POST" and "model-00001" in r.path and "uploadId=" in r.query,
+    )
+    env = moto_env(moto_server)
+    with FaultProxy(moto_server.endpoint_url, hold) as first, FaultProxy(moto_server.endpoint_url, fail) as second:
+        outcomes = run_ranks(2, _export_on_ranks, ck, out, [first.url, second.url], env=env, timeout=300)
+        assert first.snapshot().faults["stall"] == 1  # the completion of file 1 was held
+    assert all(o.startswith("TransientStoreError") for o in outcomes), outcomes
+    assert "rank 1" in outcomes[0], outcomes
+    store = S3Store(s3_bucket)
+    try:
+        assert [o.key for o in store.list("hf/")] == ["hf/model-00001-of-00004.safetensors"]
+        assert store.list_multipart("hf/") == []
+    finally:
+        store.close()

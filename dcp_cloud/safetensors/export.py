@@ -2,18 +2,17 @@
 
 Each file's header is computed from the checkpoint's metadata alone (names, shapes, dtypes; see
 :mod:`.plan` and :mod:`.format`), and uploaded as the first bytes of a multipart upload. Its data follows
-in file order, one *stripe* at a time: the stripe's boxes of the file's tensors are read from the stored
-chunks by the checkpoint reader itself (:class:`~dcp_cloud.dcp.reader.CloudReader`: byte-precise ranged
-reads straight into the stripe, every CRC32C checked, chunks saved along any dimension, legacy
-ShardedTensor layouts and stock-torch checkpoints alike), then copied into the upload's parts while the
-next stripe is read. Memory is the transfer budget whatever the tensor or file size: a quarter of it
-for the stripe, a quarter for the reads' scratch, half for the parts in flight.
+in file order, one *stripe* at a time (see :mod:`.stream`): the stripe's boxes of the file's tensors are
+read from the stored chunks by the checkpoint reader itself into one of two stripe buffers, while the
+stripe before is copied into the upload's parts from the other. Memory is the transfer budget whatever the
+tensor or file size: a quarter of it for the two stripes, a quarter for the reads' scratch, half for the
+parts in flight.
 
 The index, ``model.safetensors.index.json``, is written last and create-only, so a directory is never
 seen as a complete model before every file is in place. Over a process group the files are shared out in
 rounds (rank ``r`` writes files ``r``, ``r + world``, ...); after every round the ranks exchange how it
-went, so one rank's failure ends every rank after at most one file, with that error; the group's rank 0
-then writes the index.
+went (a rank may have started its next file then: that upload is aborted), so one rank's failure ends
+every rank after at most one file, with that error; the group's rank 0 then writes the index.
 """
 
 from __future__ import annotations
@@ -27,21 +26,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
-from ..dcp.commit import narrow_to
 from ..dcp.createonly import put_create_only
 from ..dcp.metashare import from_rank, portable
 from ..dcp.reader import CloudReader
-from ..dcp.tensorbytes import tensor_bytes
 from ..errors import (
     CheckpointExistsError,
     ConfigError,
-    CorruptCheckpointError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
@@ -50,10 +44,10 @@ from ..maintenance.common import _open, _Root, log
 from ..maintenance.progress import Progress, or_silent
 from ..store.clients import environment_digest
 from ..transfer.engine import TransferEngine
-from ..transfer.upload import open_writer
 from ..uri import parse_uri
 from .format import INDEX_NAME, SINGLE_NAME, build_header, build_index, file_name
-from .plan import OutTensor, assign_files, plan_stripes, select_tensors
+from .plan import OutTensor, assign_files, select_tensors
+from .stream import STRIPE_BUFFERS, write_files
 
 __all__ = ["DEFAULT_MAX_FILE_SIZE", "ExportReport", "export_safetensors"]
 
@@ -88,35 +82,6 @@ class ExportReport:
     #: Whether a model at the destination was replaced.
     overwrote: bool
     seconds: float
-
-
-class _StripePlanner(LoadPlanner):
-    """Hands the reader the boxes of one stripe as destinations (views of the stripe's memory)."""
-
-    def __init__(self, views: dict[tuple[str, tuple[int, ...]], torch.Tensor]) -> None:
-        self.views = views
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        box = self.views[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))]
-        return narrow_to(box, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        return None
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:  # pragma: no cover - tensors only
-        raise AssertionError("an export reads tensors only")
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not a dcp.load
-        raise AssertionError("not used")
-
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover
-        raise AssertionError("not used")
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:  # pragma: no cover
-        raise AssertionError("not used")
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:  # pragma: no cover
-        raise AssertionError("not used")
 
 
 def _group(process_group: Any) -> Any | None:
@@ -192,10 +157,11 @@ def export_safetensors(
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     bar = or_silent(progress)
-    # Half the budget for the parts in flight, a quarter for the stripe, a quarter for the reads' scratch.
+    # Half the budget for the parts in flight, a quarter for the reads' scratch, a quarter for the two stripe
+    # buffers (one read while the other is uploaded).
     writes = replace(transfer, max_inflight_parts=max(1, transfer.max_inflight_parts // 2))
     reads = replace(transfer, max_inflight_parts=max(1, transfer.max_inflight_parts // 4))
-    stripe_budget = max(64 * 1024, transfer.memory_budget // 4)
+    stripe_budget = max(64 * 1024, transfer.memory_budget // (4 * STRIPE_BUFFERS))
     dst: _Root | None = None
     reader: CloudReader | None = None
     error: BaseException | None = None
@@ -217,22 +183,14 @@ def export_safetensors(
         assert dst is not None and reader is not None
         files: list[tuple[str, bytes, list[OutTensor]]] = state["files"]
         mine = list(range(rank, len(files), world))
-        written = 0
+        rounds = [
+            (f"{dst.prefix}/{files[i][0]}", files[i][1], files[i][2]) if (i := first + rank) < len(files) else None
+            for first in range(0, len(files), world)
+        ]
         bar.start(f"export {reader.checkpoint_id} -> {dst.checkpoint_uri(dst.prefix)}", _bytes_of(files, mine))
         try:
             with TransferEngine(dst.raw, writes, retry) as engine:
-                for first in range(0, len(files), world):
-                    error = None
-                    index = first + rank
-                    if index < len(files):
-                        name, header, tensors = files[index]
-                        try:
-                            written += _write_file(
-                                reader, md, engine, f"{dst.prefix}/{name}", header, tensors, stripe_budget, bar
-                            )
-                        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
-                            error = exc
-                    _agree(group, error)
+                written = write_files(reader, md, engine, rounds, stripe_budget, bar, lambda e: _agree(group, e))
         finally:
             bar.done()
         error = None
@@ -343,67 +301,6 @@ def _uncommit(dst: _Root, overwrite: bool, source: str, extra_files: Mapping[str
         )
     dst.store.delete([f"{dst.prefix}/{name}" for name in present])
     return True
-
-
-def _write_file(
-    reader: CloudReader,
-    md: Metadata,
-    engine: TransferEngine,
-    key: str,
-    header: bytes,
-    tensors: list[OutTensor],
-    stripe_budget: int,
-    bar: Progress,
-) -> int:
-    """Upload one file: its header, then its data stripe by stripe, read from the checkpoint. Returns its size."""
-    data = sum(t.nbytes for t in tensors)
-    writer = open_writer(engine, key, len(header) + data)
-    try:
-        writer.write(header)
-        bar.advance(len(header))
-        stripes = plan_stripes([(t.shape, t.dtype.itemsize) for t in tensors], stripe_budget)
-        buf = torch.empty(max((s.nbytes for s in stripes), default=0), dtype=torch.uint8)
-        memory = tensor_bytes(buf)
-        for stripe in stripes:
-            _read_stripe(reader, md, tensors, stripe, buf)
-            writer.write(memory[: stripe.nbytes])
-            bar.advance(stripe.nbytes)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    return len(header) + data
-
-
-def _read_stripe(reader: CloudReader, md: Metadata, tensors: list[OutTensor], stripe: Any, buf: torch.Tensor) -> None:
-    """Fill ``buf`` with the bytes of ``stripe`` (its boxes, cast where the file's dtype differs), read from the
-    stored chunks that overlap each box."""
-    views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-    items: list[ReadItem] = []
-    for box in stripe.boxes:
-        tensor = tensors[box.tensor]
-        nbytes = tensor.dtype.itemsize
-        for n in box.lengths:
-            nbytes *= n
-        view = buf[box.at : box.at + nbytes].view(tensor.dtype).view(box.lengths)
-        views[(tensor.source, box.offsets)] = view
-        saved = md.state_dict_metadata[tensor.source]
-        assert isinstance(saved, TensorStorageMetadata)
-        local = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.lengths))
-        found = create_read_items_for_chunk_list(tensor.source, saved, [local])
-        covered = 0
-        for item in found:
-            n = 1
-            for length in item.lengths:
-                n *= length
-            covered += n
-        if covered != view.numel():
-            raise CorruptCheckpointError(
-                f"{reader.checkpoint_id}: the saved chunks of {tensor.source!r} do not cover its elements "
-                f"{box.offsets}+{box.lengths} exactly once ({covered} of {view.numel()}); the metadata is damaged"
-            )
-        items.extend(found)
-    reader.read_data(LoadPlan(items), _StripePlanner(views))
 
 
 def _commit(dst: _Root, state: dict[str, Any], extra_files: Mapping[str, bytes] | None) -> None:
