@@ -121,6 +121,18 @@ def copy_checkpoint(
         dst.close()
 
 
+def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> int:
+    """Stream the objects ``names`` (relative paths of ``metadata``'s records) from ``src``'s prefix to ``dst``'s,
+    every CRC32C checked on the way, through multipart uploads in bounded memory; returns the bytes copied.
+    Commits nothing: the caller writes ``.metadata`` when every object is in place."""
+    sizes = _source_sizes(src, metadata, sorted(names))
+    regions, _, _ = stream_checkers(
+        metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)
+    )
+    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes})
+    return sum(sizes.values())
+
+
 def _same_service(src: _Root, dst: _Root) -> bool:
     if src.scheme != dst.scheme:
         return False
@@ -221,7 +233,8 @@ def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]
     needed: dict[str, int] = {name: 0 for name in names}
     for info in metadata.storage_data.values():
         name = str(info.relative_path)
-        needed[name] = max(needed[name], int(info.offset) + int(info.length))
+        if name in needed:
+            needed[name] = max(needed[name], int(info.offset) + int(info.length))
     sizes = {}
     for name in names:
         key = join_key(src.prefix, name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +57,11 @@ def verify(
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
     progress: Progress | None = None,
+    only: Collection[str] | None = None,
     **store_kwargs: Any,
 ) -> VerifyReport:
-    """Read every checksummed byte of the committed checkpoint at ``uri`` and check its CRC32C.
+    """Read every checksummed byte of the committed checkpoint at ``uri`` and check its CRC32C (``only``: of the
+    objects with these relative paths alone).
 
     Reads go through the transfer engine in block-aligned ranges of at most
     ``transfer.read_chunk_size`` bytes, with at most ``transfer.memory_budget``
@@ -100,6 +102,8 @@ def verify(
                 raise CorruptCheckpointError(
                     f"{root.url(meta_key)}: the storage record of {index.fqn!r} names no object"
                 )
+            if only is not None and relative not in only:
+                continue
             key = join_key(root.prefix, relative)  # an incremental checkpoint's ../ records: the base's object
             needed[key] = max(needed[key], int(info.offset) + int(info.length))
             extras = extras_for(relative, info, index)

@@ -39,14 +39,24 @@ class Groups:
     and saves). A given group is used for both, and control exchanges then wait for a save in flight.
     """
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, *, tiers: bool = False) -> None:
         self.user = process_group
+        #: Whether a third group is made for the tiers' background work (replication, drains).
+        self.with_tiers = tiers
         self._control: Any = None
         self._saves: Any = None
+        self._tiers: Any = None
         self._made = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"user": None, "_control": None, "_saves": None, "_made": False}
+        return {
+            "user": None,
+            "with_tiers": self.with_tiers,
+            "_control": None,
+            "_saves": None,
+            "_tiers": None,
+            "_made": False,
+        }
 
     @property
     def active(self) -> bool:
@@ -59,10 +69,12 @@ class Groups:
         if self._made:
             return
         if self.user is not None:
-            self._control = self._saves = self.user
+            self._control = self._saves = self._tiers = self.user
         elif self.active:
             self._control = dist.new_group(backend="gloo")
             self._saves = dist.new_group(backend="gloo")
+            if self.with_tiers:
+                self._tiers = dist.new_group(backend="gloo")
         self._made = True
 
     @property
@@ -77,6 +89,11 @@ class Groups:
     def saves(self) -> Any:
         self._make()
         return self._saves
+
+    def tiers(self) -> Any:
+        """The group of the tiers' background work (the user's group where one was given)."""
+        self._make()
+        return self._tiers
 
     def rank(self) -> int:
         if not self.active:
@@ -93,9 +110,10 @@ def _portable(exc: BaseException) -> BaseException:
     return portable(exc, lambda what: StoreError(f"the checkpoint manager failed on another rank: {what}"))
 
 
-def exchange(groups: Groups, work: Callable[[], T]) -> list[T]:
+def exchange(groups: Groups, work: Callable[[], T], group: Any = None) -> list[T]:
     """Run ``work()`` on every rank, then gather every rank's result in rank order; if any rank raised, every
-    rank raises (its own error, or the lowest failed rank's, naming that rank). Alone: ``[work()]``."""
+    rank raises (its own error, or the lowest failed rank's, naming that rank). Alone: ``[work()]``.
+    ``group``: one of the manager's groups (default: the control group)."""
     if not groups.active:
         return [work()]
     error: BaseException | None = None
@@ -104,7 +122,7 @@ def exchange(groups: Groups, work: Callable[[], T]) -> list[T]:
     except Exception as exc:  # noqa: BLE001 - handed to every rank
         error = exc
         outcome = ("error", _portable(exc))
-    group = groups.control()
+    group = group if group is not None else groups.control()
     gathered: list[Any] = [None] * groups.size()
     dist.all_gather_object(gathered, outcome, group=group)
     if error is not None:

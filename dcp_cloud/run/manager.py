@@ -30,6 +30,11 @@ from .retention import InFlight, PassReport, run_pass
 from .saving import agree, conflict, copy_outcome, failure_of, plain, typed_save
 from .stepinfo import StepRecord, check_user_metadata
 from .storage import RunStorage, WriterOptions
+from .tiers.config import LocalTier
+from .tiers.driver import TierDriver
+from .tiers.plan import complete_steps
+from .tiers.runtime import LocalTiers
+from .tiers.worker import TierStats
 from .view import View
 
 log = logging.getLogger("dcp_cloud.run")
@@ -84,6 +89,7 @@ class CheckpointManager:
         spread_prefixes: bool = False,
         process_group: Any = None,
         lease_ttl: float = LEASE_TTL,
+        local: LocalTier | None = None,
         store: ObjectStore | None = None,
         backend: Backend | None = None,
         **store_kwargs: Any,
@@ -92,6 +98,8 @@ class CheckpointManager:
             raise ConfigError(f"retention must be a RetentionPolicy, got {type(retention).__name__}")
         if naming is not None and not isinstance(naming, StepNaming):
             raise ConfigError(f"naming must be a StepNaming, got {type(naming).__name__}")
+        if local is not None and not isinstance(local, LocalTier):
+            raise ConfigError(f"local must be a LocalTier, got {type(local).__name__}")
         if not isinstance(lease_ttl, (int, float)) or isinstance(lease_ttl, bool) or not lease_ttl > 0:
             raise ConfigError(f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}")
         #: Which committed steps stay (default: all of them).
@@ -112,7 +120,9 @@ class CheckpointManager:
             backend,
             store_kwargs,
         )
-        self._groups = Groups(process_group)
+        #: The node-local tier, its peers and its drain to ``root`` (None: steps are saved to ``root`` directly).
+        self.local = local
+        self._groups = Groups(process_group, tiers=local is not None)
         self._start_runtime()
 
     def _start_runtime(self) -> None:
@@ -120,11 +130,16 @@ class CheckpointManager:
         self._view = View(lambda: self._storage.catalog, self.root)
         #: The save in flight, its failure not raised yet, and the retention its commits start.
         self._background = Background(self.root, self._retention_pass)
+        self._tiers = (
+            TierDriver(LocalTiers(self.local, self._storage, self._groups, self.naming), self._drained)
+            if self.local is not None
+            else None
+        )
         self._closed = False
 
     # -- pickling: configuration only ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("retention", "_retention_given", "incremental", "naming", "lease_ttl", "_storage", "_groups")
+        keep = ("retention", "_retention_given", "incremental", "naming", "lease_ttl", "_storage", "_groups", "local")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -190,6 +205,9 @@ class CheckpointManager:
         """The committed steps, oldest first. The first call lists the root (rank 0; later calls answer from
         what the manager saw and did since; ``refresh=True`` lists again)."""
         self._check_open()
+        if self._tiers is not None:
+            view = self._tiers.tiers.gather()
+            return sorted(self._rank0(lambda: list(set(self._view.current(refresh)) | set(complete_steps(view)))))
         return sorted(self._rank0(lambda: list(self._view.current(refresh))))
 
     def latest_step(self, *, refresh: bool = False) -> int | None:
@@ -256,8 +274,10 @@ class CheckpointManager:
         ``overwrite``. Waits for a save in flight first, and raises its error if it failed.
         """
         pending = self._begin(step, metadata, overwrite)
+        group = self._groups.saves() if self._groups.active else None
         try:
-            typed_save(plain(state), pending.writer, planner, self._groups.saves() if self._groups.active else None)
+            typed_save(plain(state), pending.writer, planner, group)
+            self._local_committed(pending, group)
         except BaseException as exc:
             failure = self._failure_of(pending, exc)
             self._background.settle(pending, failure, self._committed(pending), keep=False)
@@ -308,6 +328,7 @@ class CheckpointManager:
             pending.writer.fail_at_setup(error)  # this rank fails the save's first step: every rank hears of it
         try:
             typed_save(staged, pending.writer, planner, group)
+            self._local_committed(pending, group)
         except BaseException as exc:  # noqa: BLE001 - kept for the next call on the main thread
             self._background.settle(pending, self._failure_of(pending, exc), self._committed(pending))
             return
@@ -320,8 +341,12 @@ class CheckpointManager:
 
         def check() -> tuple[int, bool]:
             self._background.settle_pending(raise_failure=True)
-            self._storage.prepare()
+            if self._tiers is None:
+                self._storage.prepare()
             return check_step(step), bool(overwrite)
+
+        if self._tiers is not None:
+            self._tiers.recover(self._view.current)
 
         def plan() -> tuple[str, str | None, dict[str, Any]]:
             number = check_step(step)
@@ -330,7 +355,8 @@ class CheckpointManager:
             if overwrite:
                 self._background.wait_retention()  # a pass must not clean up beside an overwrite of a committed step
             view = self._view.current()
-            latest = max(view) if view else None
+            local = self._tiers.tiers.local_steps if self._tiers is not None else {}
+            latest = max([*view, *local], default=None)
             if latest is not None and number <= latest and not overwrite:
                 what = "is already committed" if number in view else f"is below the newest committed step {latest}"
                 raise StepExistsError(
@@ -339,9 +365,9 @@ class CheckpointManager:
                     number,
                     latest,
                 )
-            name = view[number].name if number in view else self.naming.name(number)
+            name = view[number].name if number in view else local.get(number, self.naming.name(number))
             below = [s for s in view if s < number]
-            base = view[max(below)].name if self.incremental and below else None
+            base = view[max(below)].name if self.incremental and below and self._tiers is None else None
             return name, base, info
 
         name, base, info = self._rank0(plan, check)
@@ -352,18 +378,39 @@ class CheckpointManager:
             "retention": self.retention.to_json(),
         }
         try:
-            writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
+            if self._tiers is not None:
+                writer = self._tiers.tiers.writer(name, overwrite=bool(overwrite), record=record)
+                self._tiers.tiers.in_flight = name
+            else:
+                writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
         except CheckpointExistsError as exc:
             raise conflict(self.root, int(step), exc) from exc
         pending = InFlightSave(int(step), name, base, writer)
         self._background.begin(pending)
         return pending
 
+    def _local_committed(self, pending: InFlightSave, group: Any) -> None:
+        """With a local tier, right after ``pending`` committed there (collective): the step's control files to
+        every node, and its replication and drain behind training."""
+        if self._tiers is not None:
+            self._tiers.tiers.in_flight = None
+            self._tiers.committed(pending.step, pending.name, group)
+
+    def _drained(self, step: int, name: str, record: bytes | None) -> None:
+        """Rank 0, on the tier worker: step ``name`` committed in the object store (a drain)."""
+        self._view.committed(step, name)
+        if record is not None:
+            try:
+                self._storage.catalog.remember(name, StepRecord.decode(record, self._storage.step_uri(name)))
+            except DcpCloudError as exc:
+                log.warning("the record of drained step %d cannot be read: %s", step, exc)
+        self._background.request_retention()
+
     def _committed(self, pending: InFlightSave) -> Any:
         """What the commit of ``pending`` changes (rank 0): the view, the step's record, a retention pass."""
 
         def record() -> None:
-            if self._groups.rank() != 0:
+            if self._groups.rank() != 0 or self._tiers is not None:
                 return
             written = getattr(pending.writer, "written", None)
             self._view.committed(pending.step, pending.name)
@@ -405,6 +452,42 @@ class CheckpointManager:
         that follows another job's run.
         """
         self._check_open()
+        if self._tiers is not None:
+            return self._load_tiered(state, step, planner, refresh)
+        return self._load_remote(state, step, planner, refresh)
+
+    def _load_tiered(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
+        """``load`` with a local tier: from the newest step complete on some tier (see :mod:`.tiers`)."""
+        driver = self._tiers
+        assert driver is not None
+        driver.recover(self._view.current)
+        view = driver.tiers.gather()
+
+        def choose() -> tuple[int, str, str, bool] | None:
+            try:
+                remote = {s: d.name for s, d in self._view.current(refresh).items()}
+            except DcpCloudError as exc:  # a dead object store does not stop a restart from the local tiers
+                log.warning("the object store cannot be listed (%s): loading from the local tiers only", exc)
+                remote = {}
+            found = driver.choose(view, remote, None if step is None else check_step(step))
+            return None if found is None else (*found, found[0] in remote)
+
+        found = self._rank0(choose, lambda: None if step is None else check_step(step))
+        if found is None:
+            log.info("%s has no step on any tier: nothing to resume from", self.root)
+            return None
+        chosen, name, tier, remote = found
+        if tier == "local" and driver.load_local(view, state, chosen, name, planner, self._groups.user, remote):
+            log.info("loaded step %d from the local tiers (%s)", chosen, self.local.path if self.local else "")
+            return chosen
+        if not remote:
+            raise CheckpointNotFoundError(
+                f"step {chosen} could not be loaded from the local tiers and is not in the object store"
+            )
+        driver.tiers.stats.last_load_tier = "object store"
+        return self._load_remote(state, chosen, planner, refresh)
+
+    def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         held: list[leases.Holding] = []
 
         def check() -> int | None:
@@ -452,7 +535,14 @@ class CheckpointManager:
         """Wait for the save in flight and (on rank 0) the retention it started; raise the save's error if it
         failed. Not collective."""
         self._background.settle_pending(raise_failure=True)
+        if self._tiers is not None:
+            self._tiers.wait()
         self._background.wait_retention()
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """What the local tier, its peers and its drain did, and which drains wait (None without ``local=``)."""
+        return self._tiers.stats if self._tiers is not None else None
 
     def close(self) -> None:
         """Wait for the save in flight and the deletions (see :meth:`wait`), then release the manager's threads
@@ -460,6 +550,9 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            self._background.settle_pending(raise_failure=False)
+            if self._tiers is not None:
+                self._tiers.close()
             self._background.close()
         finally:
             self._closed = True

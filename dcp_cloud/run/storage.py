@@ -110,17 +110,23 @@ class RunStorage:
         #: Requests the manager made through :attr:`store`, by operation (attempts, retries included).
         self.requests: Counter[str] = Counter()
 
-    def _open(self, root: str) -> Any:
+    def _open(self, root: str, transfer: TransferConfig | None = None, *, whole_root: bool = True) -> Any:
         from ..maintenance.common import _open, _parse_root
 
+        transfer = transfer or self.transfer
         store = self._explicit
         if self._backend is not None:
             parsed = _parse_root(root, tuple(self._backend.schemes))
-            store = self._backend.open_store(parsed.bucket, self.transfer, self.retry)
-        opened = _open(root, self.transfer, self.retry, self._store_kwargs, root=True, store=store)
+            store = self._backend.open_store(parsed.bucket, transfer, self.retry)
+        opened = _open(root, transfer, self.retry, self._store_kwargs, root=whole_root, store=store)
         if self._backend is not None:
             opened.owned = True  # opened here from the recipe: closed with the manager
         return opened
+
+    def open_step(self, name: str, transfer: TransferConfig | None = None) -> Any:
+        """The store at step directory ``name``, opened anew for a caller that closes it (e.g. a drain), with
+        ``transfer`` (default: the manager's)."""
+        return self._open(self.step_uri(name), transfer, whole_root=False)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._explicit is not None:

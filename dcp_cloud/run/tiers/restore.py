@@ -1,0 +1,193 @@
+"""Loading a step from the local tiers: every node gets the files its ranks will read (from a peer node over
+the process group, else from the object store), then each rank loads from its own node's copy, every byte's
+CRC32C checked; a copy found corrupt is set aside and fetched again from the next tier.
+
+Which files a rank reads is known before the load: each rank plans its
+load against the step's metadata, exactly as ``dcp.load`` will (the same
+planner), so a node fetches whole files it reads from, and nothing else.
+That is also how a load onto another world size or topology works: from the
+local tiers where some node holds the bytes, from the object store otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ...dcp.backend import LocalBackend
+from ...dcp.layout import METADATA_NAME, load_metadata
+from ...dcp.reader import CloudReader
+from ...dcp.typed import load as typed_load
+from ...errors import CorruptCheckpointError
+from ..group import exchange
+from ..saving import plain
+from .p2p import FileMove, move_files
+from .plan import Tiers, restore_moves
+from .runtime import LocalTiers
+
+log = logging.getLogger("dcp_cloud.run")
+
+#: Loads tried from the local tiers before the object store is the only source left.
+ATTEMPTS = 3
+
+
+def wanted_files(step_dir: str, state: dict[str, Any], planner: Any, coordinator: bool) -> frozenset[str]:
+    """The files a load of ``state`` from ``step_dir`` reads on this rank (every file where planning fails)."""
+    from ...planner.load import ScaleLoadPlanner
+
+    with open(os.path.join(step_dir, METADATA_NAME), "rb") as f:
+        metadata = load_metadata(f.read(), f"{step_dir}/{METADATA_NAME}")
+    every = frozenset(str(info.relative_path) for info in metadata.storage_data.values())
+    try:
+        probe = type(planner)() if planner is not None else ScaleLoadPlanner()
+        probe.set_up_planner(plain(state), metadata, coordinator)
+        plan = probe.create_local_plan()
+        return frozenset(str(metadata.storage_data[item.storage_index].relative_path) for item in plan.items)
+    except Exception as exc:  # noqa: BLE001 - a planner that cannot plan twice: every file is fetched
+        log.debug("planning the files this rank reads failed (%s): every file of the step is fetched", exc)
+        return every
+
+
+def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> int:
+    """Whole files of step ``name`` from the object store into this node's copy (CRC32C checked)."""
+    from ...maintenance.common import _open
+    from ...maintenance.copying import stream_objects
+
+    if not relatives:
+        return 0
+    directory = tiers.step_dir(name)
+    with open(os.path.join(directory, METADATA_NAME), "rb") as f:
+        metadata = load_metadata(f.read(), f"{directory}/{METADATA_NAME}")
+    src = tiers.storage.open_step(name)
+    try:
+        dst = _open(directory, None, None, {}, root=False)
+        try:
+            return stream_objects(src, dst, metadata, relatives)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def _bring(
+    tiers: LocalTiers,
+    view: Tiers,
+    name: str,
+    wants: list[frozenset[str]],
+    control: bool,
+    exclude: frozenset[tuple[int, str]],
+    remote: bool,
+) -> dict[tuple[int, str], int]:
+    """Move what each node lacks (collective, control group); returns where each received file came from:
+    ``(node, relative) -> source node`` (-1: the object store)."""
+    moves, fetches = restore_moves(view, name, wants, control=control, exclude=exclude)
+    if fetches and not remote:
+        raise CorruptCheckpointError(
+            f"step {view.step_of(name)}: {sorted({f for _, f in fetches})[:5]} are on no node's local tier and the "
+            "step is not in the object store"
+        )
+    directory = tiers.step_dir(name)
+    group = tiers.groups.control()
+    if moves:
+        moved = move_files(
+            group if tiers.groups.active else None,
+            [FileMove(*m) for m in moves],
+            directory,
+            directory,
+            chunk_bytes=tiers.config.chunk_bytes,
+        )
+        tiers.stats.peer_bytes_sent += moved.bytes_sent
+        tiers.stats.peer_bytes_received += moved.bytes_received
+        tiers.stats.restored_from_peers += moved.bytes_received
+    me = tiers.rank()
+    got = exchange(tiers.groups, lambda: _fetch_remote(tiers, name, [f for r, f in fetches if r == me]))
+    tiers.stats.restored_from_object_store += int(got[me] or 0)
+    source = {(view.nodes[dst], rel): view.nodes[src] for src, dst, rel, _ in moves}
+    source.update({(view.nodes[r], rel): -1 for r, rel in fetches})
+    return source
+
+
+def _set_aside(tiers: LocalTiers, step: int, name: str, wants: frozenset[str]) -> list[str]:
+    """Check the CRC32C of every file this rank wants in its node's copy; rename the corrupt ones aside."""
+    from ...maintenance.verification import verify
+
+    directory = tiers.step_dir(name)
+    bad = []
+    for relative in sorted(wants):
+        try:
+            verify(directory, only={relative})
+        except CorruptCheckpointError as exc:
+            path = os.path.join(directory, relative)
+            try:
+                os.replace(path, f"{path}.corrupt")
+            except FileNotFoundError:
+                pass
+            log.warning(
+                "step %d: the local tier's copy of %s on rank %d is corrupt (%s); it is set aside and read from "
+                "the next tier (a peer, else the object store)",
+                step,
+                relative,
+                tiers.rank(),
+                exc,
+            )
+            bad.append(relative)
+    return bad
+
+
+def load_local(
+    tiers: LocalTiers,
+    view: Tiers,
+    state: dict[str, Any],
+    step: int,
+    name: str,
+    planner: Any,
+    process_group: Any,
+    remote: bool,
+) -> bool:
+    """Collective: load step ``name`` from the local tiers into ``state``; False where it could not be done from
+    them (the caller loads from the object store) after :data:`ATTEMPTS` tries."""
+    directory = tiers.step_dir(name)
+    world = len(view.nodes)
+    exclude: set[tuple[int, str]] = set()
+    tiers.reading.add(name)
+    try:
+        _bring(tiers, view, name, [frozenset()] * world, True, frozenset(), remote)
+        wants = exchange(tiers.groups, lambda: wanted_files(directory, state, planner, tiers.rank() == 0))
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                view = tiers.gather()
+            source = _bring(tiers, view, name, wants, False, frozenset(exclude), remote)
+            reader = CloudReader(
+                directory,
+                LocalBackend(),
+                transfer=tiers.storage.transfer,
+                retry=tiers.storage.retry,
+                process_group=process_group,
+                staging=tiers.storage.staging,
+            )
+            try:
+                typed_load(state, storage_reader=reader, planner=planner, process_group=process_group)
+                tiers.stats.last_load_tier = "local"
+                return True
+            except CorruptCheckpointError as exc:
+                log.warning("loading step %d from the local tiers found a corrupt copy (%s); checking them", step, exc)
+            bad = exchange(tiers.groups, lambda: _set_aside(tiers, step, name, wants[tiers.rank()]))
+            for rank, names in enumerate(bad):
+                node = view.nodes[rank]
+                for rel in names:
+                    exclude.add((node, rel))
+                    origin = source.get((node, rel))
+                    if origin is not None and origin >= 0:
+                        exclude.add((origin, rel))  # the peer's copy it came from is corrupt too
+            if not any(bad):
+                raise CorruptCheckpointError(
+                    f"loading step {step} from the local tiers failed on a checksum, but no copy checks as corrupt "
+                    "now (a transient read error?); load again"
+                )
+        return False
+    finally:
+        tiers.reading.discard(name)
+
+
+__all__ = ["ATTEMPTS", "load_local", "wanted_files"]
