@@ -59,7 +59,7 @@ from .maintenance import (
 )
 from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
-from .run import CheckpointManager, PendingSave, RetentionPolicy, StepNaming
+from .run import CheckpointManager, LocalTier, PendingSave, RetentionPolicy, StepNaming, TierStats
 from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.clients import close_clients
 from .transfer.stats import TransferStats
@@ -95,6 +95,7 @@ __all__ = [
     "InvalidStepError",
     "InvalidURIError",
     "LocalReader",
+    "LocalTier",
     "LocalWriter",
     "MissingMetricError",
     "NotACheckpointError",
@@ -117,6 +118,7 @@ __all__ = [
     "StepNaming",
     "StoreError",
     "ThrottledError",
+    "TierStats",
     "TransferConfig",
     "TransferStats",
     "TransientStoreError",

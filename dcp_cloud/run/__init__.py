@@ -10,12 +10,15 @@ classified: where "committed" is decided), ``stepinfo`` (a step's record),
 writer and reader), ``writer`` (the step's writer), ``group`` (collectives),
 ``saving`` (a save's data half and its errors), ``background`` (the save in
 flight and the retention it starts), ``view`` (rank 0's committed steps),
-``report`` (``describe``), ``manager`` (the public class).
+``report`` (``describe``), ``manager`` (the public class), and ``tiers/`` (a node-local tier, peer replicas
+and the drain to the root: :class:`LocalTier`).
 """
 
 from .manager import CheckpointManager
 from .naming import StepNaming
 from .pending import PendingSave
 from .policy import RetentionPolicy
+from .tiers.config import LocalTier
+from .tiers.worker import TierStats
 
-__all__ = ["CheckpointManager", "PendingSave", "RetentionPolicy", "StepNaming"]
+__all__ = ["CheckpointManager", "LocalTier", "PendingSave", "RetentionPolicy", "StepNaming", "TierStats"]
