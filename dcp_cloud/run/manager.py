@@ -207,7 +207,9 @@ class CheckpointManager:
         self._check_open()
         if self._tiers is not None:
             view = self._tiers.tiers.gather()
-            return sorted(self._rank0(lambda: list(set(self._view.current(refresh)) | set(complete_steps(view)))))
+            driver = self._tiers
+            listing = lambda: self._view.current(refresh)  # noqa: E731
+            return sorted(self._rank0(lambda: list(set(driver.remote_steps(listing)) | set(complete_steps(view)))))
         return sorted(self._rank0(lambda: list(self._view.current(refresh))))
 
     def latest_step(self, *, refresh: bool = False) -> int | None:
@@ -354,7 +356,7 @@ class CheckpointManager:
             self.retention.metric_of(number, info)
             if overwrite:
                 self._background.wait_retention()  # a pass must not clean up beside an overwrite of a committed step
-            view = self._view.current()
+            view = self._view.current() if self._tiers is None else self._tiers.remote_steps(self._view.current)
             local = self._tiers.tiers.local_steps if self._tiers is not None else {}
             latest = max([*view, *local], default=None)
             if latest is not None and number <= latest and not overwrite:
@@ -457,35 +459,18 @@ class CheckpointManager:
         return self._load_remote(state, step, planner, refresh)
 
     def _load_tiered(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
-        """``load`` with a local tier: from the newest step complete on some tier (see :mod:`.tiers`)."""
         driver = self._tiers
         assert driver is not None
         driver.recover(self._view.current)
-        view = driver.tiers.gather()
-
-        def choose() -> tuple[int, str, str, bool] | None:
-            try:
-                remote = {s: d.name for s, d in self._view.current(refresh).items()}
-            except DcpCloudError as exc:  # a dead object store does not stop a restart from the local tiers
-                log.warning("the object store cannot be listed (%s): loading from the local tiers only", exc)
-                remote = {}
-            found = driver.choose(view, remote, None if step is None else check_step(step))
-            return None if found is None else (*found, found[0] in remote)
-
-        found = self._rank0(choose, lambda: None if step is None else check_step(step))
-        if found is None:
-            log.info("%s has no step on any tier: nothing to resume from", self.root)
-            return None
-        chosen, name, tier, remote = found
-        if tier == "local" and driver.load_local(view, state, chosen, name, planner, self._groups.user, remote):
-            log.info("loaded step %d from the local tiers (%s)", chosen, self.local.path if self.local else "")
-            return chosen
-        if not remote:
-            raise CheckpointNotFoundError(
-                f"step {chosen} could not be loaded from the local tiers and is not in the object store"
-            )
-        driver.tiers.stats.last_load_tier = "object store"
-        return self._load_remote(state, chosen, planner, refresh)
+        return driver.load(
+            state,
+            step,
+            planner,
+            remote=lambda: {s: d.name for s, d in self._view.current(refresh).items()},
+            rank0=self._rank0,
+            load_remote=lambda chosen: self._load_remote(state, chosen, planner, refresh),
+            group=self._groups.user,
+        )
 
     def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         held: list[leases.Holding] = []

@@ -15,17 +15,22 @@ the tiers).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ...errors import CheckpointNotFoundError, DcpCloudError
 from ..group import exchange
+from ..naming import check_step
 from .plan import Tiers, complete_steps
 from .restore import load_local
 from .runtime import LocalTiers
 from .tasks import drain, replicate, retain
 
 log = logging.getLogger("dcp_cloud.run")
+
+#: Seconds a manager with a local tier waits before listing an object store that could not be listed again.
+REMOTE_RETRY_SECONDS = 60.0
 
 
 class TierDriver:
@@ -36,6 +41,27 @@ class TierDriver:
         self.on_drained = on_drained
         #: Steps due for draining and not drained yet, oldest first (the same list on every rank).
         self.pending: list[tuple[int, str]] = []
+        #: When listing the object store last failed (rank 0): it is not asked again for a while.
+        self._remote_failed_at: float | None = None
+
+    def remote_steps(self, listing: Callable[[], dict[int, Any]]) -> dict[int, Any]:
+        """Rank 0: the object store's committed steps, or {} (with a warning) while it cannot be listed: with a
+        local tier, a dead object store slows no save and stops no restart (it is asked again after a minute)."""
+        failed = self._remote_failed_at
+        if failed is not None and time.monotonic() - failed < REMOTE_RETRY_SECONDS:
+            return {}
+        try:
+            found = listing()
+        except DcpCloudError as exc:
+            self._remote_failed_at = time.monotonic()
+            log.warning(
+                "the object store %s cannot be listed (%s): going on with the local tiers",
+                self.tiers.storage.root_uri,
+                exc,
+            )
+            return {}
+        self._remote_failed_at = None
+        return found
 
     @property
     def stats(self) -> Any:
@@ -53,11 +79,7 @@ class TierDriver:
         def find() -> list[tuple[int, str]]:
             if self.tiers.rank() != 0:
                 return []
-            try:
-                there = set(remote())
-            except DcpCloudError as exc:
-                log.warning("the object store cannot be listed (%s): steps left undrained are found later", exc)
-                return []
+            there = set(self.remote_steps(remote))
             local = complete_steps(view)
             return sorted(
                 (s, n) for s, n in local.items() if self.tiers.config.due(s) and s not in there and not view.drained(n)
@@ -122,10 +144,41 @@ class TierDriver:
             return newest, local[newest], "local"
         return newest, remote[newest], "object store"
 
-    def load_local(
-        self, view: Tiers, state: dict[str, Any], step: int, name: str, planner: Any, group: Any, remote: bool
-    ) -> bool:
-        return load_local(self.tiers, view, state, step, name, planner, group, remote)
+    def load(
+        self,
+        state: dict[str, Any],
+        step: int | None,
+        planner: Any,
+        *,
+        remote: Callable[[], dict[int, str]],
+        rank0: Callable[..., Any],
+        load_remote: Callable[[int], int | None],
+        group: Any,
+    ) -> int | None:
+        """Collective: load the newest step complete on some tier (or ``step``) into ``state``; None when no
+        tier holds one. ``remote()``: rank 0's committed steps in the object store; ``rank0(work, check)``: the
+        manager's rank-0 exchange; ``load_remote(step)``: the manager's load from the object store."""
+        view = self.tiers.gather()
+
+        def choose() -> tuple[int, str, str, bool] | None:
+            there = self.remote_steps(remote)
+            found = self.choose(view, there, None if step is None else check_step(step))
+            return None if found is None else (*found, found[0] in there)
+
+        found = rank0(choose, lambda: None if step is None else check_step(step))
+        if found is None:
+            log.info("%s has no step on any tier: nothing to resume from", self.tiers.storage.root_uri)
+            return None
+        chosen, name, tier, drained = found
+        if tier == "local" and load_local(self.tiers, view, state, chosen, name, planner, group, drained):
+            log.info("loaded step %d from the local tiers (%s)", chosen, self.tiers.config.path)
+            return chosen
+        if not drained:
+            raise CheckpointNotFoundError(
+                f"step {chosen} could not be loaded from the local tiers and is not in the object store"
+            )
+        self.tiers.stats.last_load_tier = "object store"
+        return load_remote(chosen)
 
     def wait(self) -> None:
         self.tiers.worker.wait()

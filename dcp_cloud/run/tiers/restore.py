@@ -171,7 +171,7 @@ def load_local(
                 tiers.stats.last_load_tier = "local"
                 return True
             except CorruptCheckpointError as exc:
-                log.warning("loading step %d from the local tiers found a corrupt copy (%s); checking them", step, exc)
+                log.info("loading step %d from the local tiers found a corrupt copy (%s); checking them", step, exc)
             bad = exchange(tiers.groups, lambda: _set_aside(tiers, step, name, wants[tiers.rank()]))
             for rank, names in enumerate(bad):
                 node = view.nodes[rank]
