@@ -107,6 +107,7 @@ def test_a_failing_drain_never_fails_training_and_completes_once_after_a_restart
     # keep_last=1, but nothing was drained: every step stays on the local tier
     assert committed(local) == ["step-00000001", "step-00000002", "step-00000003"]
     blocker.unlink()
+    blocker.mkdir()  # the store is back
     with CheckpointManager(f"file://{root}", local=tier) as mgr:
         target = empty()
         assert mgr.load(target) == 3 and same(target, state_at(3))

@@ -76,16 +76,20 @@ class TierDriver:
             return
         view = self.tiers.gather()
 
-        def find() -> list[tuple[int, str]]:
+        def find() -> list[tuple[int, str]] | None:
             if self.tiers.rank() != 0:
                 return []
             there = set(self.remote_steps(remote))
+            if self._remote_failed_at is not None:
+                return None  # looked for again at the next save or load
             local = complete_steps(view)
             return sorted(
                 (s, n) for s, n in local.items() if self.tiers.config.due(s) and s not in there and not view.drained(n)
             )
 
         found = exchange(self.tiers.groups, find)[0]
+        if found is None:
+            return
         self.tiers.recovered = True
         self.tiers.local_steps.update(complete_steps(view))
         if found:
@@ -159,6 +163,9 @@ class TierDriver:
         tier holds one. ``remote()``: rank 0's committed steps in the object store; ``rank0(work, check)``: the
         manager's rank-0 exchange; ``load_remote(step)``: the manager's load from the object store."""
         view = self.tiers.gather()
+        stats = self.tiers.stats
+        stats.restored_from_peers = stats.restored_from_object_store = 0
+        stats.last_load_tier = None
 
         def choose() -> tuple[int, str, str, bool] | None:
             there = self.remote_steps(remote)

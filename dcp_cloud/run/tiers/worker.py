@@ -31,8 +31,9 @@ class TierStats:
     #: Bytes this rank sent to and received from peers (replication and restores).
     peer_bytes_sent: int = 0
     peer_bytes_received: int = 0
-    #: Of the last load: bytes of the files this rank's node got from peers, and from the object store
-    #: (whole files fetched into the local tier, or read by a load from the object store).
+    #: Of the last load: bytes of the whole files this rank received into its node's local tier from peers,
+    #: and from the object store (a load that read the object store directly, ``last_load_tier ==
+    #: "object store"``, is not counted here).
     restored_from_peers: int = 0
     restored_from_object_store: int = 0
     #: Where the last load read from: ``"local"`` (the local tiers, after moving what was missing) or
