@@ -381,13 +381,15 @@ class CheckpointManager:
         }
         try:
             if self._tiers is not None:
+                if overwrite:
+                    self._tiers.tiers.undrain(name)  # this node's copy is replaced: its drain is due again
                 writer = self._tiers.tiers.writer(name, overwrite=bool(overwrite), record=record)
                 self._tiers.tiers.in_flight = name
             else:
                 writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
         except CheckpointExistsError as exc:
             raise conflict(self.root, int(step), exc) from exc
-        pending = InFlightSave(int(step), name, base, writer)
+        pending = InFlightSave(int(step), name, base, writer, overwrite=bool(overwrite))
         self._background.begin(pending)
         return pending
 
@@ -396,7 +398,7 @@ class CheckpointManager:
         every node, and its replication and drain behind training."""
         if self._tiers is not None:
             self._tiers.tiers.in_flight = None
-            self._tiers.committed(pending.step, pending.name, group)
+            self._tiers.committed(pending.step, pending.name, group, pending.overwrite)
 
     def _drained(self, step: int, name: str, record: bytes | None) -> None:
         """Rank 0, on the tier worker: step ``name`` committed in the object store (a drain)."""

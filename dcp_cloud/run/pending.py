@@ -24,6 +24,8 @@ class InFlightSave:
     staged: Future[None] = field(default_factory=Future)
     #: Set once the manager processed the end of the save (exactly once, whichever thread sees it first).
     settled: threading.Event = field(default_factory=threading.Event)
+    #: Saved with ``overwrite=True`` (it replaces a committed step).
+    overwrite: bool = False
 
 
 class PendingSave:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from dcp_cloud import CheckpointManager, RetentionPolicy, StoreError
+from dcp_cloud import CheckpointManager, LocalTier, RetentionPolicy, StoreError
 from dcp_cloud.run.policy import Candidate, decide
 from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
@@ -66,8 +68,10 @@ class RunCase:
     best_mode: str
     leaves: tuple[Leaf, ...]
     #: ("save", increment, asynchronous, metric) | ("fail", increment) | ("restart",) | ("load", pick)
-    #: | ("overwrite", metric)
+    #: | ("overwrite", metric) | ("lose",): the local tier's directory removed, then a restart
     ops: tuple[tuple[Any, ...], ...] = field(default=())
+    #: A local tier: (drain_every, keep_last on the local tier or None); None: saves go to the root directly.
+    tier: tuple[int, int | None] | None = None
 
     def policy(self) -> RetentionPolicy:
         return RetentionPolicy(
@@ -120,6 +124,27 @@ EXAMPLES = (
             ("load", 2),
         ),
     ),  # fmt: skip
+    RunCase(
+        "local",
+        False,
+        1,
+        None,
+        None,
+        "min",
+        (Leaf("t0", 0, (4, 3), False), Leaf("t1", 2, (6,), True)),
+        (
+            ("save", 1, True, 0.0),
+            ("save", 1, False, 0.0),
+            ("save", 1, True, 0.0),
+            ("overwrite", 0.5),
+            ("load", 0),
+            ("lose",),
+            ("load", 0),
+            ("save", 2, True, 0.0),
+            ("load", 1),
+        ),
+        (2, 1),
+    ),  # fmt: skip
 )
 
 
@@ -132,8 +157,12 @@ def run_cases(draw: st.DrawFn, targets: tuple[str, ...]) -> RunCase:
     if draw(st.booleans()):  # a frozen tensor large enough (1.5 MiB, most of a step) to be referenced
         leaves.append(Leaf("big_frozen", 0, (768, 512), True))
     ops: list[tuple[Any, ...]] = []
+    tier = draw(st.one_of(st.none(), st.tuples(st.integers(1, 2), st.one_of(st.none(), st.integers(1, 2)))))
+    kinds = ("save",) * 8 + (
+        ("lose", "restart", "load", "overwrite") if tier else ("fail", "restart", "load", "overwrite")
+    )
     for _ in range(draw(st.integers(4, 12))):
-        kind = draw(st.sampled_from(("save",) * 8 + ("fail", "restart", "load", "overwrite")))
+        kind = draw(st.sampled_from(kinds))
         metric = draw(st.floats(-10, 10, allow_nan=False))
         if kind == "save":
             ops.append(("save", draw(st.integers(1, 4)), draw(st.booleans()), metric))
@@ -143,6 +172,8 @@ def run_cases(draw: st.DrawFn, targets: tuple[str, ...]) -> RunCase:
             ops.append(("load", draw(st.integers(0, 5))))
         elif kind == "overwrite":
             ops.append(("overwrite", metric))
+        elif kind == "lose":
+            ops.append(("lose",))
         else:
             ops.append(("restart",))
     none_or = st.one_of(st.integers(1, 3), st.none())
@@ -155,6 +186,7 @@ def run_cases(draw: st.DrawFn, targets: tuple[str, ...]) -> RunCase:
         best_mode=draw(st.sampled_from(("min", "max"))),
         leaves=tuple(leaves),
         ops=tuple(ops),
+        tier=tier,
     )
 
 
@@ -195,17 +227,39 @@ class Run:
     def __init__(self, case: RunCase, root: str, backend: Any, local_dir: Path | None) -> None:
         self.case, self.root, self.backend, self.local_dir = case, root, backend, local_dir
         self.policy = case.policy()
+        self.tier_dir = Path(tempfile.mkdtemp(prefix="dcp-fuzz-tier-")) if case.tier else None
+        #: With a local tier: step -> version of every step saved and not dropped from the local tier (the newest
+        #: of them is what a load without a step resumes); ``committed`` then models the object store alone.
+        self.saved: dict[int, int] = {}
         self.mgr = self._manager()
         #: step -> (version, metric) of every committed step (the model).
         self.committed: dict[int, tuple[int, float]] = {}
         self.gone: set[int] = set()
         self.next_step = 1
         #: What the case exercised (summed over the cases and printed: the oracle had something to check).
-        self.facts = {"saves": 0, "dropped": 0, "kept as a base": 0, "failed saves": 0, "loads": 0, "restarts": 0}
+        self.facts = {
+            "saves": 0,
+            "dropped": 0,
+            "kept as a base": 0,
+            "failed saves": 0,
+            "loads": 0,
+            "restarts": 0,
+            "tiered saves": 0,
+            "nodes lost": 0,
+        }
 
     def _manager(self, wires: tuple[Tripwire, ...] = ()) -> CheckpointManager:
         backend = TripwireBackend(self.backend, wires)
-        return CheckpointManager(self.root, retention=self.policy, incremental=self.case.incremental, backend=backend)
+        local = None
+        if self.case.tier is not None:
+            every, keep = self.case.tier
+            local = LocalTier(str(self.tier_dir), drain_every=every, retention=RetentionPolicy(keep_last=keep))
+        return CheckpointManager(
+            self.root, retention=self.policy, incremental=self.case.incremental, backend=backend, local=local
+        )
+
+    def due(self, step: int) -> bool:
+        return self.case.tier is None or step % self.case.tier[0] == 0
 
     def save(self, step: int, asynchronous: bool, metric: float, version: int = 0, overwrite: bool = False) -> None:
         state = _state(self.case, step, version)
@@ -215,8 +269,15 @@ class Run:
         else:
             self.mgr.save(step, state, metadata=meta, overwrite=overwrite)
         self.mgr.wait()
-        self.committed[step] = (version, metric)
+        self.saved[step] = version
         self.facts["saves"] += 1
+        if self.case.tier is not None:
+            self.facts["tiered saves"] += 1
+            stats = self.mgr.tier_stats
+            assert stats is not None and not stats.pending_drains, f"drains pending: {stats}"
+        if not self.due(step):
+            return
+        self.committed[step] = (version, metric)
         self.check()
 
     def fail(self, step: int) -> None:
@@ -229,9 +290,21 @@ class Run:
         self.facts["failed saves"] += 1
         assert self.mgr.latest_step(refresh=True) == (max(self.committed) if self.committed else None)
 
+    def lose(self) -> None:
+        """The node's local tier is lost (its directory removed) and the job restarts: the steps only it held are
+        gone; the drained ones stay in the object store."""
+        self.mgr.close()
+        assert self.tier_dir is not None
+        shutil.rmtree(self.tier_dir)
+        self.saved = {s: v for s, v in self.saved.items() if s in self.committed}
+        self.mgr = self._manager()
+        self.facts["nodes lost"] += 1
+
     def check(self) -> None:
         report = self.mgr.describe()
         found = {s.step for s in report.steps if s.state == "committed"}
+        if not self.committed:
+            return
         latest = max(self.committed)
         partial = [s.step for s in report.steps if s.state == "partial" and s.step <= latest]
         assert not partial, f"leftovers of failed saves at or below the newest step {latest} remain: {partial}"
@@ -262,6 +335,12 @@ class Run:
         self.facts["loads"] += 1
         steps = sorted(self.committed)
         target = _empty(self.case)
+        newest = max([*self.saved, *steps], default=None) if self.case.tier is not None else None
+        if pick == 0 and newest is not None:  # a local tier: the newest step saved, from whichever tier holds it
+            assert self.mgr.load(target) == newest
+            version = self.saved.get(newest, self.committed.get(newest, (0, 0.0))[0])
+            _same(target, _state(self.case, newest, version), f"load of the newest step {newest}")
+            return
         if not steps:
             assert self.mgr.load(target) is None
             return
@@ -271,6 +350,8 @@ class Run:
 
     def finish(self) -> None:
         self.mgr.close()
+        if self.tier_dir is not None:
+            shutil.rmtree(self.tier_dir, ignore_errors=True)
         mgr = CheckpointManager(self.root)
         assert mgr.steps() == sorted(self.committed)
         for step, (version, _) in sorted(self.committed.items()):
@@ -315,11 +396,19 @@ def run_case(case: RunCase, targets: dict[str, Target]) -> dict[str, int]:
             run.facts["restarts"] += 1
         elif op[0] == "load":
             run.load(op[1])
-        elif op[0] == "overwrite" and run.committed:
+        elif op[0] == "lose":
+            run.lose()
+        elif op[0] == "overwrite" and case.tier is not None and run.saved:
+            step = max(run.saved)
+            run.save(step, False, op[1], version=run.saved[step] + 1, overwrite=True)
+        elif op[0] == "overwrite" and case.tier is None and run.committed:
             step = max(run.committed)
             run.save(step, False, op[1], version=run.committed[step][0] + 1, overwrite=True)
     if not run.committed:
-        run.save(run.next_step, True, 0.5)
+        step = run.next_step
+        while not run.due(step):
+            step += 1
+        run.save(step, True, 0.5)
     run.finish()
     return run.facts
 
@@ -348,6 +437,7 @@ def test_run_sequences(request: pytest.FixtureRequest, fuzz_targets: dict[str, T
     @given(run_cases(tuple(sorted(fuzz_targets))))
     @example(case=EXAMPLES[0])
     @example(case=EXAMPLES[1])
+    @example(case=EXAMPLES[2])
     def one(case: RunCase) -> None:
         try:
             for key, value in run_case(case, fuzz_targets).items():

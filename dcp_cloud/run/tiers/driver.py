@@ -41,6 +41,8 @@ class TierDriver:
         self.on_drained = on_drained
         #: Steps due for draining and not drained yet, oldest first (the same list on every rank).
         self.pending: list[tuple[int, str]] = []
+        #: Steps saved again with ``overwrite=True`` whose drain has not replaced the object store's copy yet.
+        self.overwritten: set[str] = set()
         #: When listing the object store last failed (rank 0): it is not asked again for a while.
         self._remote_failed_at: float | None = None
 
@@ -100,10 +102,13 @@ class TierDriver:
             self.tiers.worker.submit(lambda: self._drains(found))
 
     # -- after a local commit -----------------------------------------------------------------
-    def committed(self, step: int, name: str, group: Any) -> None:
-        """Collective (``group``: the save's), right after step ``name`` committed on the local tier."""
+    def committed(self, step: int, name: str, group: Any, overwrite: bool = False) -> None:
+        """Collective (``group``: the save's), right after step ``name`` committed on the local tier
+        (``overwrite``: it replaced a committed step, whose drained copy the drain replaces too)."""
         self.tiers.share_control_files(name, group)
         self.tiers.local_steps[step] = name
+        if overwrite:
+            self.overwritten.add(name)
         self.tiers.worker.submit(lambda: self._after(step, name))
 
     def _after(self, step: int, name: str) -> None:
@@ -117,9 +122,10 @@ class TierDriver:
         self.pending.sort()
         while self.pending:
             step, name = self.pending[0]
-            if not drain(self.tiers, step, name, self.on_drained):
+            if not drain(self.tiers, step, name, self.on_drained, overwrite=name in self.overwritten):
                 break  # the object store is failing: the rest wait for the next pass
             self.pending.pop(0)
+            self.overwritten.discard(name)
         try:
             view = self.tiers.gather(self.tiers.groups.tiers())
         except Exception as exc:  # noqa: BLE001 - retried at the next pass

@@ -22,7 +22,7 @@ from ..naming import StepNaming
 from ..storage import RunStorage
 from ..writer import StepWriter
 from .config import LocalTier
-from .listing import LocalStep, scan
+from .listing import DRAINED_NAME, LocalStep, scan
 from .plan import Tiers
 from .topology import node_key, nodes_of, replica_targets
 from .worker import TierStats, TierWorker
@@ -132,6 +132,13 @@ class LocalTiers:
             base=None,
             spread_prefixes=options.spread_prefixes,
         )
+
+    def undrain(self, name: str) -> None:
+        """Before step ``name`` is saved again (``overwrite``): this node's copy no longer matches the drained one."""
+        try:
+            os.unlink(os.path.join(self.step_dir(name), DRAINED_NAME))
+        except FileNotFoundError:
+            pass
 
     def share_control_files(self, name: str, group: Any) -> None:
         """Collective (``group``), right after a local commit: ``.step.json`` and ``.metadata`` from rank 0's

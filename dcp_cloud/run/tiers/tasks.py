@@ -71,9 +71,16 @@ def _broadcast_from(tiers: LocalTiers, src: int, value: Any, group: Any) -> Any:
     return payload[0]
 
 
-def drain(tiers: LocalTiers, step: int, name: str, on_drained: Callable[[int, str, bytes | None], None]) -> bool:
+def drain(
+    tiers: LocalTiers,
+    step: int,
+    name: str,
+    on_drained: Callable[[int, str, bytes | None], None],
+    overwrite: bool = False,
+) -> bool:
     """Upload step ``name`` from the local tiers to the run's root and commit it there (create-only, as a direct
-    save commits); True once it is committed there (now or by an earlier drain)."""
+    save commits; ``overwrite``: replacing the committed copy there, as a save with ``overwrite=True`` does);
+    True once it is committed there (now or by an earlier drain)."""
     from ...maintenance.common import _open
 
     group = tiers.groups.tiers()
@@ -133,6 +140,13 @@ def drain(tiers: LocalTiers, step: int, name: str, on_drained: Callable[[int, st
                 if record is not None:
                     dst.store.put(f"{dst.prefix}/{STEP_INFO_NAME}", record)
                 cache = (dst.backend, dst.bucket, environment_digest()) if dst.backend is not None else None
+                if overwrite:
+                    from ...maintenance.copying import _delete_unreferenced
+
+                    dst.store.put(f"{dst.prefix}/{METADATA_NAME}", metadata_bytes)
+                    needs = load_metadata(metadata_bytes, METADATA_NAME).storage_data.values()
+                    _delete_unreferenced(dst, {str(info.relative_path) for info in needs})
+                    return record
                 try:
                     put_create_only(dst.store, f"{dst.prefix}/{METADATA_NAME}", metadata_bytes, cache)
                 except PreconditionFailedError:
