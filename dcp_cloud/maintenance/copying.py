@@ -28,6 +28,7 @@ items the checkpoint no longer uses).
 
 from __future__ import annotations
 
+import copy
 import posixpath
 import time
 from collections import deque
@@ -125,6 +126,9 @@ def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> i
     """Stream the objects ``names`` (relative paths of ``metadata``'s records) from ``src``'s prefix to ``dst``'s,
     every CRC32C checked on the way, through multipart uploads in bounded memory; returns the bytes copied.
     Commits nothing: the caller writes ``.metadata`` when every object is in place."""
+    wanted = set(names)
+    metadata = copy.copy(metadata)  # only these objects' records: the others need not be in ``src``
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if str(v.relative_path) in wanted}
     sizes = _source_sizes(src, metadata, sorted(names))
     regions, _, _ = stream_checkers(
         metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)

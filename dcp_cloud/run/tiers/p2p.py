@@ -26,12 +26,14 @@ class MoveStats:
     seconds: float = 0.0
 
 
-def move_files(group, moves, src_dir, dst_dir, *, chunk_bytes=8 << 20, timeout=None):
+def move_files(group, moves, src_dir, dst_dir, *, chunk_bytes=8 << 20, timeout=None, on_chunk=None):
     stats = MoveStats()
     if not moves:
         return stats
     me = dist.get_rank(group)
     for m in moves:
+        if on_chunk is not None and me in (m.src, m.dst):
+            on_chunk()
         if m.src == me:
             with open(os.path.join(src_dir, m.name), "rb") as f:
                 data = f.read()

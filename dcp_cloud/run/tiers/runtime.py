@@ -22,6 +22,7 @@ from ..naming import StepNaming
 from ..storage import RunStorage
 from ..writer import StepWriter
 from .config import LocalTier
+from .crashpoints import reached
 from .listing import DRAINED_NAME, LocalStep, scan
 from .plan import Tiers
 from .topology import node_key, nodes_of, replica_targets
@@ -163,6 +164,7 @@ class LocalTiers:
                         raise
             read["files"] = out
 
+        reached("shared", self.rank())
         exchange(self.groups, mine, group)  # rank 0's read failure reaches every rank here
         payload: list[Any] = [read.get("files")]
         dist.broadcast_object_list(payload, group_src=0, group=group)

@@ -24,6 +24,7 @@ from ...errors import CorruptCheckpointError, PreconditionFailedError
 from ...store.clients import environment_digest
 from ..group import exchange
 from ..policy import Candidate, decide
+from .crashpoints import reached
 from .listing import mark_drained, scan
 from .p2p import FileMove, move_files
 from .plan import Tiers, drain_plan, writer_rank
@@ -50,7 +51,9 @@ def replicate(tiers: LocalTiers, step: int, name: str) -> None:
     try:
         files = exchange(tiers.groups, mine, group)
         moves = [FileMove(r, t, rel, size) for r, own in enumerate(files) for t in targets[r] for rel, size in own]
-        moved = move_files(group, moves, directory, directory, chunk_bytes=tiers.config.chunk_bytes)
+        moved = move_files(
+            group, moves, directory, directory, chunk_bytes=tiers.config.chunk_bytes, on_chunk=_replicating(me)
+        )
     except Exception as exc:  # noqa: BLE001 - a degradation: the step stays on its nodes and drains as usual
         log.warning(
             "step %d was not copied to peers (%s); it stays on its own nodes' local tiers and drains as usual",
@@ -61,6 +64,10 @@ def replicate(tiers: LocalTiers, step: int, name: str) -> None:
         return
     tiers.stats.peer_bytes_sent += moved.bytes_sent
     tiers.stats.peer_bytes_received += moved.bytes_received
+
+
+def _replicating(rank: int) -> Callable[[], None]:
+    return lambda: reached("replicating", rank)
 
 
 def _broadcast_from(tiers: LocalTiers, src: int, value: Any, group: Any) -> Any:
@@ -124,6 +131,7 @@ def drain(
                 src.close()
 
         sent = exchange(tiers.groups, upload, group)
+        reached("drain-commit", me)
 
         def commit() -> bytes | None:
             if me != plan.committer:
@@ -160,6 +168,7 @@ def drain(
                 dst.close()
 
         records = exchange(tiers.groups, commit, group)
+        reached("drain-marked", me)
 
         def mark() -> None:
             if tiers.is_leader():
@@ -217,6 +226,7 @@ def retain(tiers: LocalTiers, view: Tiers) -> None:
             if not tiers.is_leader():
                 return
             for name in drops:
+                reached("retain-delete", tiers.rank())
                 directory = tiers.step_dir(name)
                 try:
                     os.unlink(os.path.join(directory, METADATA_NAME))  # uncommitted here first
