@@ -65,8 +65,9 @@ def test_steps_drain_every_second_step_and_the_local_tier_keeps_its_last(tmp_pat
     tier = LocalTier(str(local), drain_every=2, retention=RetentionPolicy(keep_last=2))
     with CheckpointManager(f"file://{root}", local=tier) as mgr:
         for step in range(1, 6):
-            mgr.async_save(step, state_at(step))
+            mgr.async_save(step, state_at(step), metadata={"loss": 1.0 / step})
         mgr.wait()
+        assert mgr.metadata(5) == {"loss": 0.2} and mgr.metadata(4) == {"loss": 0.25}  # 5: on the local tier only
         stats = mgr.tier_stats
         assert stats is not None and stats.drained_steps == [2, 4] and stats.pending_drains == []
         assert mgr.steps() == [2, 4, 5]  # 5 is on the local tier only; 1 and 3 were dropped there, never drained

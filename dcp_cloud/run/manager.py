@@ -223,6 +223,10 @@ class CheckpointManager:
         self._check_open()
 
         def read() -> dict[str, Any]:
+            if self._tiers is not None:
+                local = self._tiers.tiers.local_record(check_step(step))
+                if local is not None:
+                    return dict(local.metadata)
             return dict(self._storage.catalog.known(self._directory_of(step)).record.metadata)
 
         return self._rank0(read, lambda: check_step(step))
@@ -432,6 +436,9 @@ class CheckpointManager:
         seq = self._view.seq
         pending = self._background.in_flight()
         in_flight = InFlight(pending.name, pending.base) if pending is not None else None
+        draining = self._tiers.draining if self._tiers is not None else None
+        if draining is not None:  # with a local tier, the save that writes to the root is the drain
+            in_flight = InFlight(draining)
         report = run_pass(
             self._storage.catalog,
             self.retention,

@@ -41,6 +41,8 @@ class TierDriver:
         self.on_drained = on_drained
         #: Steps due for draining and not drained yet, oldest first (the same list on every rank).
         self.pending: list[tuple[int, str]] = []
+        #: The step directory a drain is writing in the object store (its retention leaves it alone).
+        self.draining: str | None = None
         #: Steps saved again with ``overwrite=True`` whose drain has not replaced the object store's copy yet.
         self.overwritten: set[str] = set()
         #: When listing the object store last failed (rank 0): it is not asked again for a while.
@@ -122,7 +124,12 @@ class TierDriver:
         self.pending.sort()
         while self.pending:
             step, name = self.pending[0]
-            if not drain(self.tiers, step, name, self.on_drained, overwrite=name in self.overwritten):
+            self.draining = name
+            try:
+                drained = drain(self.tiers, step, name, self.on_drained, overwrite=name in self.overwritten)
+            finally:
+                self.draining = None
+            if not drained:
                 break  # the object store is failing: the rest wait for the next pass
             self.pending.pop(0)
             self.overwritten.discard(name)

@@ -19,6 +19,7 @@ from ...dcp.backend import LocalBackend
 from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME
 from ..group import Groups, exchange
 from ..naming import StepNaming
+from ..stepinfo import StepRecord
 from ..storage import RunStorage
 from ..writer import StepWriter
 from .config import LocalTier
@@ -133,6 +134,18 @@ class LocalTiers:
             base=None,
             spread_prefixes=options.spread_prefixes,
         )
+
+    def local_record(self, step: int) -> StepRecord | None:
+        """The record of ``step`` in this node's local tier (None where this node holds no committed copy)."""
+        name = self.local_steps.get(step, self.naming.name(step))
+        directory = self.step_dir(name)
+        if not os.path.exists(os.path.join(directory, METADATA_NAME)):
+            return None
+        try:
+            with open(os.path.join(directory, STEP_INFO_NAME), "rb") as f:
+                return StepRecord.decode(f.read(), f"{directory}/{STEP_INFO_NAME}")
+        except FileNotFoundError:
+            return None
 
     def undrain(self, name: str) -> None:
         """Before step ``name`` is saved again (``overwrite``): this node's copy no longer matches the drained one."""
