@@ -135,6 +135,18 @@ def _set_aside(tiers: LocalTiers, step: int, name: str, wants: frozenset[str]) -
     return bad
 
 
+def _whole_everywhere(view: Tiers, name: str) -> bool:
+    """Whether the local tier of every node of the job holds every file of step ``name`` and its metadata."""
+    needs = view.needs(name)
+    if needs is None:
+        return False
+    for node in set(view.nodes):
+        found = view.listings[node].get(name)
+        if found is None or not found.committed or not needs <= found.files.keys():
+            return False
+    return True
+
+
 def load_local(
     tiers: LocalTiers,
     view: Tiers,
@@ -152,8 +164,11 @@ def load_local(
     exclude: set[tuple[int, str]] = set()
     tiers.reading.add(name)
     try:
-        _bring(tiers, view, name, [frozenset()] * world, True, frozenset(), remote)
-        wants = exchange(tiers.groups, lambda: wanted_files(directory, state, planner, tiers.rank() == 0))
+        if _whole_everywhere(view, name):  # every node holds every file: nothing to plan or move
+            wants = [view.needs(name) or frozenset()] * world
+        else:
+            _bring(tiers, view, name, [frozenset()] * world, True, frozenset(), remote)
+            wants = exchange(tiers.groups, lambda: wanted_files(directory, state, planner, tiers.rank() == 0))
         for attempt in range(ATTEMPTS):
             if attempt:
                 view = tiers.gather()
