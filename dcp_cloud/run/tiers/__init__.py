@@ -1,0 +1,1 @@
+"""Tiered checkpoints: a node-local tier, peer replicas over the process group, a drain to the object store."""
