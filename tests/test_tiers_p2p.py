@@ -9,6 +9,7 @@ again to show the ranks are still in step); a second group has a rank die mid-fi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import random
@@ -93,10 +94,28 @@ def _cases(rank: int, world: int, root: str, read_only: str) -> dict[str, Any]:
     # 2. a missing source (rank 1) and a source of another size (rank 2); the others' files still move
     if rank == 2:
         _make(mine, "cut.bin", 10)
-    bad = [FileMove(1, 3, "absent.bin", 10), FileMove(0, 2, "__0_1.distcp", CHUNK - 1), FileMove(2, 1, "cut.bin", 11)]
-    out["missing"] = _outcome(lambda: move_files(group, bad, mine, mine, chunk_bytes=CHUNK))
-    gone = ["absent.bin"] + (["cut.bin"] if NODE[rank] == 0 else [])  # cut.bin stays where it was read
-    out["missing_left"] = [n for n in gone if os.path.exists(os.path.join(mine, n))]
+    # and an I/O error in the middle of a file (rank 3, after its first chunk)
+    real_read = p2p._read_into
+    if rank == 3:
+        reads = []
+
+        def read_then_fail(stream: Any, view: memoryview) -> int:
+            reads.append(1)
+            if len(reads) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_read(stream, view)
+
+        p2p._read_into = read_then_fail
+    bad = [
+        FileMove(1, 3, "absent.bin", 10),
+        FileMove(3, 0, "__3_0.distcp", BIG),
+        FileMove(0, 2, "__0_1.distcp", CHUNK - 1),
+        FileMove(2, 1, "cut.bin", 11),
+    ]
+    os.makedirs(os.path.join(mine, "bad"), exist_ok=True)
+    out["missing"] = _outcome(lambda: move_files(group, bad, mine, os.path.join(mine, "bad"), chunk_bytes=CHUNK))
+    p2p._read_into = real_read
+    out["bad_arrived"] = sorted(os.listdir(os.path.join(mine, "bad")))
 
     # 3. rank 3 cannot write where it receives, yet still sends
     ro = [FileMove(1, 3, "__1_0.distcp", BIG), FileMove(0, 3, ".metadata", 100), FileMove(3, 0, "y_3", 1)]
@@ -204,10 +223,11 @@ def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Pat
         kind, message = r["missing"]
         if rank == 2:
             assert kind == "CorruptCheckpointError" and "cut.bin holds 10 bytes, 11 expected" in message
+        elif rank == 3:
+            assert kind == "StoreError" and "__3_0.distcp (Input/output error)" in message, message
         else:
             assert kind == "ObjectNotFoundError" and "absent.bin" in message, (rank, message)
             assert ("rank 1 failed" in message) == (rank != 1), (rank, message)
-        assert r["missing_left"] == [], rank
         kind, message = r["read_only"]
         assert kind in ("AccessDeniedError", "StoreError") and "ro/" in message, (rank, message)
         assert ("rank 3 failed" in message) == (rank != 3), (rank, message)
@@ -215,5 +235,7 @@ def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Pat
         assert kind == "ChecksumMismatchError" and "__0_0.distcp from rank 0" in message, (rank, message)
         assert ("rank 2 failed" in message) == (rank != 2), (rank, message)
         assert r["changed_left"] == [], rank
+    # only the file whose sender could read it arrived (in the directory of node 1, where rank 2 is)
+    assert [r["bad_arrived"] for r in results] == [[], [], ["__0_1.distcp"], ["__0_1.distcp"]]
     assert results[3]["read_only_left"] == []
     assert results[0]["moved"]  # rank 0 received y_3 from the rank that could not write
