@@ -169,7 +169,10 @@ def _cases(rank: int, world: int, root: str, read_only: str) -> dict[str, Any]:
         FileMove(2, 0, "__2_0.distcp", BIG),
     ]
     kind, message = _outcome(lambda: move_files(group, dying, mine, os.path.join(mine, "dying"), chunk_bytes=CHUNK))
-    died = (kind, message, time.time(), _partials(mine))
+    raised_at = time.time()
+    landed = os.path.join(mine, "dying")
+    whole = {m.name: _holds(landed, m.name, m.size) for m in dying if os.path.exists(os.path.join(landed, m.name))}
+    died = (kind, message, raised_at, [os.path.relpath(p, mine) for p in _partials(mine)], whole)
     with open(os.path.join(root, f"died_{rank}.pkl"), "wb") as f:
         pickle.dump(died, f)
     return None
@@ -210,10 +213,12 @@ def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Pat
     results = [_load(tmp_path / f"cases_{rank}.pkl") for rank in range(4)]
     killed_at = float((tmp_path / "killed_at").read_text())
     for rank in (1, 2, 3):
-        kind, message, raised_at, partials = _load(tmp_path / f"died_{rank}.pkl")
+        kind, message, raised_at, partials, whole = _load(tmp_path / f"died_{rank}.pkl")
         assert kind == "StoreError" and "lost rank 0" in message, (rank, message)
         assert raised_at - killed_at < 5.0, (rank, raised_at - killed_at)
-        assert partials == [], rank
+        # a name holds a whole file or nothing; only the dead rank leaves its .partial (in node 0's directory)
+        assert all(whole.values()), (rank, whole)
+        assert set(partials) <= ({"dying/__2_0.distcp.partial"} if rank == 1 else set()), (rank, partials)
         print(f"rank {rank} raised {raised_at - killed_at:.2f} s after rank 0 died")
     for rank, r in enumerate(results):
         assert r["moved"] and r["again"], rank

@@ -24,11 +24,12 @@ the other ranks stop moving files with it, finish with the rest, and raise namin
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, BinaryIO
@@ -164,6 +165,10 @@ class _Link:
         except RuntimeError as exc:
             raise self._lose(peer, exc) from exc
 
+    def drop(self, peer: int, exc: BaseException) -> None:
+        """Stop moving files with ``peer`` (this rank's side of their pair is out of step after ``exc``)."""
+        self._lose(peer, exc)
+
     def _lose(self, peer: int, exc: BaseException) -> _PeerLost:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         error = StoreError(
@@ -183,7 +188,7 @@ class _Link:
             self.errors.append((index, error))
 
 
-def _send_file(link: _Link, move: FileMove, index: int, src_dir: str, bufs: list[torch.Tensor]) -> bool:
+def _send_file(link: _Link, src_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
     """Send one file (the header, the chunks, the trailer); whether it went whole. Raises _PeerLost."""
     path = os.path.join(src_dir, move.name)
     stream: BinaryIO | None = None
@@ -234,7 +239,7 @@ def _send_file(link: _Link, move: FileMove, index: int, src_dir: str, bufs: list
         return ok
 
 
-def _receive_file(link: _Link, move: FileMove, index: int, dst_dir: str, bufs: list[torch.Tensor]) -> bool:
+def _receive_file(link: _Link, dst_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
     """Receive one file into ``<name>.partial``, check it and rename it into place; whether it arrived. Raises
     _PeerLost."""
     header = torch.zeros(2, dtype=torch.int64)
@@ -359,20 +364,31 @@ def _copy_local(link: _Link, move: FileMove, index: int, src_dir: str, dst_dir: 
         return False
 
 
-def _sender(link: _Link, moves: list[tuple[int, FileMove]], src_dir: str, chunk: int, stats: MoveStats) -> None:
+def _side(
+    link: _Link,
+    moves: list[tuple[int, FileMove]],
+    chunk: int,
+    peer_of: Callable[[FileMove], int],
+    step: Callable[[FileMove, int, list[torch.Tensor]], bool],
+) -> tuple[int, int]:
+    """This rank's moves of one direction, in order, with two chunk buffers; (files, bytes) that went whole.
+    Moves with a lost peer are skipped."""
     bufs = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)] if moves else []
+    files = nbytes = 0
     for index, move in moves:
-        if link.is_lost(move.dst):
+        peer = peer_of(move)
+        if link.is_lost(peer):
             continue
         try:
-            if _send_file(link, move, index, src_dir, bufs):
-                stats.files_sent += 1
-                stats.bytes_sent += move.size
+            if step(move, index, bufs):
+                files += 1
+                nbytes += move.size
         except _PeerLost:
             continue
-        except BaseException as exc:  # noqa: BLE001 - a bug or an interrupt: reported like any failure
+        except Exception as exc:  # noqa: BLE001 - a bug: reported, and that pair is out of step, so dropped
             link.fail(index, exc)
-            return
+            link.drop(peer, exc)
+    return files, nbytes
 
 
 def _exchange_outcomes(link: _Link, own: BaseException | None) -> dict[int, BaseException]:
@@ -382,15 +398,12 @@ def _exchange_outcomes(link: _Link, own: BaseException | None) -> dict[int, Base
     body = pickle.dumps(None if own is None else portable(own, lambda what: StoreError(fallback.format(what))))
     peers = [p for p in range(link.size) if p != link.rank and not link.is_lost(p)]
     mine = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    size = torch.tensor([len(body)], dtype=torch.int64)
     sizes = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-    works = [(p, link.isend(torch.tensor([len(body)], dtype=torch.int64), p, _TAG_OUTCOME)) for p in peers]
-    works += [(p, link.irecv(sizes[p], p, _TAG_OUTCOME)) for p in peers]
-    _wait_all(link, works)
+    _swap(link, [(p, size, sizes[p]) for p in peers])
     peers = [p for p in peers if not link.is_lost(p)]
     bodies = {p: torch.empty(int(sizes[p][0]), dtype=torch.uint8) for p in peers}
-    works = [(p, link.isend(mine, p, _TAG_OUTCOME)) for p in peers]
-    works += [(p, link.irecv(bodies[p], p, _TAG_OUTCOME)) for p in peers if len(bodies[p])]
-    _wait_all(link, works)
+    _swap(link, [(p, mine, bodies[p]) for p in peers])
     failed: dict[int, BaseException] = {}
     for p in peers:
         if not link.is_lost(p):
@@ -403,7 +416,17 @@ def _exchange_outcomes(link: _Link, own: BaseException | None) -> dict[int, Base
     return failed
 
 
-def _wait_all(link: _Link, works: list[tuple[int, Any]]) -> None:
+def _swap(link: _Link, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    """Send ``out`` to and receive ``into`` from each ``peer`` of ``pairs``, all at once; a peer whose connection
+    fails (when posting or when waiting) is marked lost and the others go on."""
+    works: list[tuple[int, Any]] = []
+    for peer, out, into in pairs:
+        try:
+            works.append((peer, link.isend(out, peer, _TAG_OUTCOME)))
+            if len(into):
+                works.append((peer, link.irecv(into, peer, _TAG_OUTCOME)))
+        except _PeerLost:
+            continue
     for peer, work in works:
         try:
             link.wait(work, peer)
@@ -428,6 +451,7 @@ def move_files(
     checked against the sender's CRC32C and renamed into place only whole and checked; a failed one leaves no
     ``<name>`` and no ``<name>.partial`` behind (a ``<name>`` that was already there stays).
 
+    Calls on one group must not overlap (the manager runs them one after another, in one thread per group).
     Every rank returns, or every rank raises: its own error (a file it could not read or write:
     :class:`~dcp_cloud.errors.ObjectNotFoundError`, :class:`~dcp_cloud.errors.AccessDeniedError`,
     :class:`~dcp_cloud.errors.StoreError`; bytes that arrived changed:
@@ -455,26 +479,21 @@ def move_files(
     locals_ = [(i, m) for i, m in indexed if m.src == m.dst == link.rank]
     largest = max((m.size for _, m in sends + receives + locals_), default=0)
     chunk = max(1, min(chunk_bytes, largest))
-    thread = threading.Thread(
-        target=_sender, args=(link, sends, src_dir, chunk, stats), name="dcp-cloud-p2p-send", daemon=True
-    )
+
+    def send_all() -> None:
+        step = functools.partial(_send_file, link, src_dir)
+        stats.files_sent, stats.bytes_sent = _side(link, sends, chunk, lambda m: m.dst, step)
+
+    thread = threading.Thread(target=send_all, name="dcp-cloud-p2p-send", daemon=True)
     thread.start()
     try:
-        bufs = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)] if receives or locals_ else []
-        for index, move in receives:
-            if link.is_lost(move.src):
-                continue
-            try:
-                if _receive_file(link, move, index, dst_dir, bufs):
-                    stats.files_received += 1
-                    stats.bytes_received += move.size
-            except _PeerLost:
-                continue
+        step = functools.partial(_receive_file, link, dst_dir)
+        stats.files_received, stats.bytes_received = _side(link, receives, chunk, lambda m: m.src, step)
+        buf = torch.empty(chunk, dtype=torch.uint8) if locals_ else None
         for index, move in locals_:
-            if _copy_local(link, move, index, src_dir, dst_dir, bufs[0]):
+            if buf is not None and _copy_local(link, move, index, src_dir, dst_dir, buf):
                 stats.files_received += 1
                 stats.bytes_received += move.size
-        del bufs
     finally:
         thread.join()
     own = min(link.errors, key=lambda e: e[0])[1] if link.errors else None
