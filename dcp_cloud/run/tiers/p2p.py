@@ -244,6 +244,14 @@ def _receive_file(link: _Link, dst_dir: str, move: FileMove, index: int, bufs: l
     _PeerLost."""
     header = torch.zeros(2, dtype=torch.int64)
     link.wait(link.irecv(header, move.src, _TAG_FILES), move.src)
+    if int(header[1]) != move.size:  # the ranks were given different lists: this pair cannot stay in step
+        error = ConfigError(
+            f"rank {link.global_rank(move.src)} sends {move.name} as {int(header[1])} bytes, this rank expects "
+            f"{move.size}: every rank must pass move_files the same moves, in the same order"
+        )
+        link.fail(index, error)
+        link.drop(move.src, error)
+        return False
     if int(header[0]) != _OK:
         return False  # the sender could not read it, and reports why
     final = os.path.join(dst_dir, move.name)
@@ -477,6 +485,8 @@ def move_files(
     sends = [(i, m) for i, m in indexed if m.src == link.rank and m.dst != link.rank]
     receives = [(i, m) for i, m in indexed if m.dst == link.rank and m.src != link.rank]
     locals_ = [(i, m) for i, m in indexed if m.src == m.dst == link.rank]
+    # Both ends of a file cut it alike: a file over chunk_bytes makes both ranks' chunk chunk_bytes, and a
+    # smaller one fits in one chunk on both, so capping the buffers at this rank's largest file is safe.
     largest = max((m.size for _, m in sends + receives + locals_), default=0)
     chunk = max(1, min(chunk_bytes, largest))
 
