@@ -5,7 +5,8 @@ it is the source of, from a thread of its own, while its calling thread receives
 destination of, so sends and receives of different pairs run at once and no pattern deadlocks (the earliest
 unfinished move always has its sender and its receiver at it). A file travels on its pair's connection as::
 
-    header  int64[2] = (OK or FAIL, size)       FAIL (unreadable, wrong size): nothing else follows
+    header  int64[2] = (OK or FAIL, size)       FAIL (unreadable, wrong size): nothing else follows;
+                                                a size the receiver does not expect: a ConfigError
     chunks  ceil(size / chunk_bytes) x uint8    read and sent one while the next is read (2 buffers)
     trailer int64[2] = (OK or FAIL, CRC32C)     FAIL: the sender could not read it all; the chunks are junk
 
@@ -457,9 +458,10 @@ def move_files(
     ``dst`` of into ``dst_dir`` (each rank passes its own directories; a move to itself is a local copy).
     Memory: two ``chunk_bytes`` buffers per direction per rank, whatever the file sizes. A received file is
     checked against the sender's CRC32C and renamed into place only whole and checked; a failed one leaves no
-    ``<name>`` and no ``<name>.partial`` behind (a ``<name>`` that was already there stays).
+    ``<name>`` and no ``<name>.partial`` behind (a ``<name>`` that was already there stays; a rank that dies
+    while receiving leaves its ``.partial``, never a part under ``<name>``).
 
-    Calls on one group must not overlap (the manager runs them one after another, in one thread per group).
+    Calls on one group must not overlap (run them one after another, from one thread per group).
     Every rank returns, or every rank raises: its own error (a file it could not read or write:
     :class:`~dcp_cloud.errors.ObjectNotFoundError`, :class:`~dcp_cloud.errors.AccessDeniedError`,
     :class:`~dcp_cloud.errors.StoreError`; bytes that arrived changed:
