@@ -27,19 +27,16 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, BinaryIO
 
 import crc32c
 import torch
-import torch.distributed as dist
 
-from ...dcp.metashare import from_rank, portable
+from ...dcp.metashare import from_rank
 from ...errors import (
     AccessDeniedError,
     ChecksumMismatchError,
@@ -49,10 +46,11 @@ from ...errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from .peerlink import Link, PeerLost, exchange_outcomes
 
 _OK, _FAIL = 1, 0
-#: Tags of the two phases, so an outcome message can never be taken for file bytes.
-_TAG_FILES, _TAG_OUTCOME = 4801, 4802
+#: The tag of files' messages (the outcome exchange has its own).
+_TAG_FILES = 4801
 _PARTIAL = ".partial"
 
 
@@ -126,71 +124,8 @@ def _file_error(exc: OSError, path: str, action: str) -> DcpCloudError:
     return StoreError(f"cannot {action} {path} ({reason})")
 
 
-class _PeerLost(Exception):
-    """An operation on a peer's connection failed (the peer died, or was silent past the timeout)."""
-
-
-class _Link:
-    """The group's point-to-point operations, and what this rank has learnt about failed peers and itself."""
-
-    def __init__(self, group: Any, timeout: float | None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.wait_timeout = timedelta(seconds=timeout) if timeout is not None else None
-        self.lock = threading.Lock()
-        self.lost: dict[int, BaseException] = {}  # group rank -> the error that made it lost
-        self.errors: list[tuple[int, BaseException]] = []  # (move index, error) of this rank
-
-    def global_rank(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return self._post(dist.isend, tensor, peer, tag)
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return self._post(dist.irecv, tensor, peer, tag)
-
-    def _post(self, op: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        try:
-            return op(tensor, self.global_rank(peer), group=self.group, tag=tag)
-        except RuntimeError as exc:
-            raise self._lose(peer, exc) from exc
-
-    def wait(self, work: Any, peer: int) -> None:
-        try:
-            if self.wait_timeout is None:
-                work.wait()
-            else:
-                work.wait(self.wait_timeout)
-        except RuntimeError as exc:
-            raise self._lose(peer, exc) from exc
-
-    def drop(self, peer: int, exc: BaseException) -> None:
-        """Stop moving files with ``peer`` (this rank's side of their pair is out of step after ``exc``)."""
-        self._lose(peer, exc)
-
-    def _lose(self, peer: int, exc: BaseException) -> _PeerLost:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        error = StoreError(
-            f"lost rank {self.global_rank(peer)} while moving checkpoint files between ranks (it died, or was "
-            f"silent past the timeout): {first[:300]}"
-        )
-        with self.lock:
-            self.lost.setdefault(peer, error)
-        return _PeerLost()
-
-    def is_lost(self, peer: int) -> bool:
-        with self.lock:
-            return peer in self.lost
-
-    def fail(self, index: int, error: BaseException) -> None:
-        with self.lock:
-            self.errors.append((index, error))
-
-
-def _send_file(link: _Link, src_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
-    """Send one file (the header, the chunks, the trailer); whether it went whole. Raises _PeerLost."""
+def _send_file(link: Link, src_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
+    """Send one file (the header, the chunks, the trailer); whether it went whole. Raises PeerLost."""
     path = os.path.join(src_dir, move.name)
     stream: BinaryIO | None = None
     try:
@@ -232,7 +167,7 @@ def _send_file(link: _Link, src_dir: str, move: FileMove, index: int, bufs: list
                 if work is not None:
                     try:
                         link.wait(work, move.dst)
-                    except _PeerLost:
+                    except PeerLost:
                         pass
                     works[slot] = None
         trailer = torch.tensor([_OK if ok else _FAIL, crc], dtype=torch.int64)
@@ -240,9 +175,9 @@ def _send_file(link: _Link, src_dir: str, move: FileMove, index: int, bufs: list
         return ok
 
 
-def _receive_file(link: _Link, dst_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
+def _receive_file(link: Link, dst_dir: str, move: FileMove, index: int, bufs: list[torch.Tensor]) -> bool:
     """Receive one file into ``<name>.partial``, check it and rename it into place; whether it arrived. Raises
-    _PeerLost."""
+    PeerLost."""
     header = torch.zeros(2, dtype=torch.int64)
     link.wait(link.irecv(header, move.src, _TAG_FILES), move.src)
     if int(header[1]) != move.size:  # the ranks were given different lists: this pair cannot stay in step
@@ -302,7 +237,7 @@ def _receive_file(link: _Link, dst_dir: str, move: FileMove, index: int, bufs: l
             if work is not None:
                 try:
                     link.wait(work, move.src)
-                except _PeerLost:
+                except PeerLost:
                     pass
         if fd is not None:
             os.close(fd)
@@ -340,7 +275,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _copy_local(link: _Link, move: FileMove, index: int, src_dir: str, dst_dir: str, buf: torch.Tensor) -> bool:
+def _copy_local(link: Link, move: FileMove, index: int, src_dir: str, dst_dir: str, buf: torch.Tensor) -> bool:
     """A move from a rank to itself: a plain checked copy, through ``<name>.partial`` (nothing when the
     directories are the same)."""
     path, final = os.path.join(src_dir, move.name), os.path.join(dst_dir, move.name)
@@ -374,7 +309,7 @@ def _copy_local(link: _Link, move: FileMove, index: int, src_dir: str, dst_dir: 
 
 
 def _side(
-    link: _Link,
+    link: Link,
     moves: list[tuple[int, FileMove]],
     chunk: int,
     peer_of: Callable[[FileMove], int],
@@ -392,55 +327,12 @@ def _side(
             if step(move, index, bufs):
                 files += 1
                 nbytes += move.size
-        except _PeerLost:
+        except PeerLost:
             continue
         except Exception as exc:  # noqa: BLE001 - a bug: reported, and that pair is out of step, so dropped
             link.fail(index, exc)
             link.drop(peer, exc)
     return files, nbytes
-
-
-def _exchange_outcomes(link: _Link, own: BaseException | None) -> dict[int, BaseException]:
-    """Every rank's error (None: none) sent to every other rank point to point; the failed ranks' errors,
-    the lost ranks' included, by group rank."""
-    fallback = "moving checkpoint files between ranks failed on another rank: {}"
-    body = pickle.dumps(None if own is None else portable(own, lambda what: StoreError(fallback.format(what))))
-    peers = [p for p in range(link.size) if p != link.rank and not link.is_lost(p)]
-    mine = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    size = torch.tensor([len(body)], dtype=torch.int64)
-    sizes = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-    _swap(link, [(p, size, sizes[p]) for p in peers])
-    peers = [p for p in peers if not link.is_lost(p)]
-    bodies = {p: torch.empty(int(sizes[p][0]), dtype=torch.uint8) for p in peers}
-    _swap(link, [(p, mine, bodies[p]) for p in peers])
-    failed: dict[int, BaseException] = {}
-    for p in peers:
-        if not link.is_lost(p):
-            error = pickle.loads(bodies[p].numpy().tobytes())
-            if error is not None:
-                failed[p] = error
-    with link.lock:
-        for p, error in link.lost.items():
-            failed.setdefault(p, error)
-    return failed
-
-
-def _swap(link: _Link, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-    """Send ``out`` to and receive ``into`` from each ``peer`` of ``pairs``, all at once; a peer whose connection
-    fails (when posting or when waiting) is marked lost and the others go on."""
-    works: list[tuple[int, Any]] = []
-    for peer, out, into in pairs:
-        try:
-            works.append((peer, link.isend(out, peer, _TAG_OUTCOME)))
-            if len(into):
-                works.append((peer, link.irecv(into, peer, _TAG_OUTCOME)))
-        except _PeerLost:
-            continue
-    for peer, work in works:
-        try:
-            link.wait(work, peer)
-        except _PeerLost:
-            pass
 
 
 def move_files(
@@ -478,7 +370,7 @@ def move_files(
     if timeout is not None and not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     started = time.monotonic()
-    link = _Link(group, timeout)
+    link = Link(group, timeout)
     for move in moves:
         if not isinstance(move, FileMove) or move.src >= link.size or move.dst >= link.size:
             raise ConfigError(f"every move must be a FileMove between ranks 0..{link.size - 1}, got {move!r}")
@@ -509,7 +401,7 @@ def move_files(
     finally:
         thread.join()
     own = min(link.errors, key=lambda e: e[0])[1] if link.errors else None
-    failed = _exchange_outcomes(link, own)
+    failed = exchange_outcomes(link, own)
     stats.seconds = time.monotonic() - started
     if own is not None:
         raise own
