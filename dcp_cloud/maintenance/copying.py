@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import copy
 import posixpath
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,7 @@ def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> i
     regions, _, _ = stream_checkers(
         metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)
     )
-    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes})
+    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes}, parallel=True)
     return sum(sizes.values())
 
 
@@ -310,13 +311,22 @@ def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any], re
 
 
 def _copy_streaming(
-    src: _Root, dst: _Root, sizes: dict[str, int], regions: dict[str, Any], bar: Progress, rename: dict[str, str]
+    src: _Root,
+    dst: _Root,
+    sizes: dict[str, int],
+    regions: dict[str, Any],
+    bar: Progress,
+    rename: dict[str, str],
+    parallel: bool = False,
 ) -> None:
+    """Stream each object through a multipart upload (``parallel``: several objects at once, as many as the
+    upload's memory budget holds their parts; one after another otherwise)."""
     with (
         TransferEngine(src.raw, src.transfer, src.retry) as reads,
         TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,
     ):
-        for name, size in sizes.items():
+
+        def one(name: str, size: int) -> None:
             key = f"{dst.prefix}/{rename[name]}"
             checker = stream_checker(regions.get(name, []), src.url(join_key(src.prefix, name)))
             writer = open_writer(writes, key, size)
@@ -326,6 +336,43 @@ def _copy_streaming(
             except BaseException:
                 writer.abort()
                 raise
+
+        if not parallel or len(sizes) < 2:
+            for name, size in sizes.items():
+                one(name, size)
+            return
+        _run_bounded(writes, sizes, one)
+
+
+def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any) -> None:
+    """Run ``one(name, size)`` for every object, at once as far as the upload's buffers go: each object takes
+    the part buffers it can hold at most (a small object's whole body waits for one PUT) plus one, from a
+    count of the budget's buffers, before it starts; so no upload waits on a buffer another one holds."""
+    config = writes.config
+    total = max(1, config.memory_budget // config.part_size)
+    free = [total]
+    cond = threading.Condition()
+    limit = config.single_put_limit(config.part_size)
+
+    def need(size: int) -> int:
+        return min(total, -(-min(size, limit) // config.part_size) + 1)
+
+    def run(name: str, size: int) -> None:
+        taken = need(size)
+        with cond:  # all of them at once: two objects holding some each could wait on each other
+            cond.wait_for(lambda: free[0] >= taken)
+            free[0] -= taken
+        try:
+            one(name, size)
+        finally:
+            with cond:
+                free[0] += taken
+                cond.notify_all()
+
+    with ThreadPoolExecutor(max_workers=min(len(sizes), total), thread_name_prefix="dcp-cloud-copy") as pool:
+        futures = [pool.submit(run, name, size) for name, size in sizes.items()]
+        for future in futures:
+            future.result()
 
 
 def _stream(
