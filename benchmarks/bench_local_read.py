@@ -14,7 +14,8 @@ the contenders' order rotating from round to round:
 - ``stock``: torch's ``FileSystemReader`` (no checksums);
 - ``dcp_cloud``: ``dcp.load`` through ``LocalReader`` with its defaults
   (CRC32C verification on); ``--variant 'name:key=value,...'`` adds a LocalReader
-  with those ``TransferConfig`` fields.
+  with those ``TransferConfig`` fields, ``--ref-path DIR`` the LocalReader of
+  another checkout (before and after a change, in one run).
 
 Every load goes into preallocated, resident destinations; the loaded
 tensors are checked bit for bit once per contender. Reported per contender:
@@ -54,6 +55,7 @@ from _common import (  # noqa: E402
 )
 
 CONTENDERS = ("raw", "raw+crc32c", "stock", "dcp_cloud")
+REF = "dcp_cloud (ref)"
 
 
 # ----------------------------------------------------------------------------- child
@@ -162,6 +164,12 @@ def main() -> None:
         default=[],
         help="another LocalReader, 'name:field=value,...' of TransferConfig (e.g. 'c2:concurrency=2')",
     )
+    parser.add_argument(
+        "--ref-path",
+        default=None,
+        help="also load with the LocalReader of another checkout of the project (e.g. a worktree of main), "
+        "as 'dcp_cloud (ref)'",
+    )
     parser.add_argument("--json", default=None, help="write raw results here (and the tables beside it, .md)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -173,6 +181,10 @@ def main() -> None:
     env = child_env()
     variants = dict(_variant(v) for v in args.variant)
     names = [*CONTENDERS, *variants]
+    ref_env = None
+    if args.ref_path:
+        names.append(REF)
+        ref_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [args.ref_path, env.get("PYTHONPATH")]))}
     workdir = tempfile.mkdtemp(prefix="dcp-cloud-bench-local-read-", dir=args.dir)
     path = os.path.join(workdir, "ckpt")
     base = {"path": path, "size_mb": args.size_mb, "tensors": args.tensors}
@@ -190,7 +202,7 @@ def main() -> None:
             for name in order:
                 kind = name if name in CONTENDERS else "dcp_cloud"
                 spec = {**base, "kind": kind, "config": variants.get(name, {}), "verify": r == 0}
-                result = run_child(script, spec, env=env)
+                result = run_child(script, spec, env=ref_env if name == REF and ref_env else env)
                 results[name].append(result)
                 if "error" in result or result.get("ok") is False:
                     raise SystemExit(f"{name}: {result.get('error') or 'loaded tensors differ from the saved ones'}")
