@@ -63,7 +63,24 @@ def split_outs(outs: Sequence[memoryview], chunk: int) -> list[tuple[int, list[m
     Returns ``(offset_of_piece, outs_of_piece)`` pairs; memoryviews that cross
     a boundary are sliced, never copied.
     """
-    return cut_outs(outs, range(chunk, sum(len(o) for o in outs), chunk))
+    pieces: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    filled = 0
+    offset = 0
+    for out in outs:
+        view = out
+        while len(view):
+            take = min(len(view), chunk - filled)
+            current.append(view[:take])
+            view = view[take:]
+            filled += take
+            if filled == chunk:
+                pieces.append((offset, current))
+                offset += filled
+                current, filled = [], 0
+    if current:
+        pieces.append((offset, current))
+    return pieces
 
 
 def cut_outs(outs: Sequence[memoryview], cuts: Sequence[int]) -> list[tuple[int, list[memoryview]]]:
