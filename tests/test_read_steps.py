@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 import dcp_cloud
 from dcp_cloud import LocalReader, LocalWriter, TransferConfig
 from dcp_cloud.dcp import readsteps
-from dcp_cloud.dcp.footer import item_extras
 from dcp_cloud.dcp.layout import load_metadata
 from dcp_cloud.errors import ChecksumMismatchError
+from dcp_cloud.dcp.footer import item_extras
 from dcp_cloud.store.local import LocalStore
 from dcp_cloud.transfer.engine import cut_outs
 
