@@ -60,7 +60,6 @@ from .loaditem import LoadItem, plan_load_item
 from .prediction import Guess
 from .readcheck import ReadVerifier
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
-from .readsteps import in_steps
 from .ringstage import flat_bytes
 from .staging import StagingConfig
 from .torchprivate import pickles_tensor_metadata
@@ -494,9 +493,7 @@ class LoadRun:
             for item in done:
                 self._finish_item(item)
 
-        stepped = in_steps(self.verifier, key, checks, start) if rider is None and late is None else None
-        check_fn, cuts = stepped or (check if checks or rider is not None else None, [])  # see .readsteps
-        future = self.engine.read_at(key, start, outs, check=check_fn, steps=cuts)
+        future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
         if rider is not None:
             rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
         self.pending.append(_Pending([future], finish, lease, what))

@@ -83,32 +83,6 @@ def split_outs(outs: Sequence[memoryview], chunk: int) -> list[tuple[int, list[m
     return pieces
 
 
-def cut_outs(outs: Sequence[memoryview], cuts: Sequence[int]) -> list[tuple[int, list[memoryview]]]:
-    """Cut a scatter list at the offsets ``cuts`` (those outside it are ignored).
-
-    Returns ``(offset_of_piece, outs_of_piece)`` pairs covering ``outs`` in order; memoryviews that cross a
-    cut are sliced, never copied.
-    """
-    total = sum(len(o) for o in outs)
-    bounds = iter([*sorted({c for c in cuts if 0 < c < total}), total])
-    end = next(bounds)
-    pieces: list[tuple[int, list[memoryview]]] = []
-    current: list[memoryview] = []
-    pos = offset = 0
-    for out in outs:
-        view = out
-        while len(view):
-            take = min(len(view), end - pos)
-            current.append(view[:take])
-            view = view[take:]
-            pos += take
-            if pos == end:
-                pieces.append((offset, current))
-                offset, current = pos, []
-                end = next(bounds, total)
-    return pieces
-
-
 class TransferEngine:
     """Worker threads + byte budget + retries + statistics over one ObjectStore."""
 
@@ -212,29 +186,12 @@ class TransferEngine:
         outs: Sequence[memoryview],
         *,
         check: Callable[[int, list[memoryview]], None] | None = None,
-        steps: Sequence[int] = (),
     ) -> Future[None]:
         """Scatter-read ``key`` from ``start`` into ``outs`` with exactly one request (the caller sized it).
 
-        ``check`` is called as for :meth:`read` (offset 0, all of ``outs``). ``steps``: increasing offsets
-        from ``start`` where the read may be cut: where the store's requests cost no round trip
-        (``instant_requests``), the worker reads up to each in turn and calls ``check`` with that step's
-        offset and views, while its bytes are still in the CPU's cache.
+        ``check`` is called as for :meth:`read` (offset 0, all of ``outs``).
         """
-        if steps and check is not None and self.store.instant_requests:
-            return self.submit(self._read_steps, key, start, list(outs), steps, check)
         return self.submit(self._read_piece, key, start, list(outs), 0, check)
-
-    def _read_steps(
-        self,
-        key: str,
-        start: int,
-        outs: list[memoryview],
-        steps: Sequence[int],
-        check: Callable[[int, list[memoryview]], None],
-    ) -> None:
-        for offset, piece in cut_outs(outs, steps):
-            self._read_piece(key, start + offset, piece, offset, check)
 
     def _read_piece(
         self,
