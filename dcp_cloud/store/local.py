@@ -74,8 +74,7 @@ class LocalStore:
     """
 
     scheme = "file"
-    #: A request costs no round trip: readers fetch index footers before the data rather than guess them,
-    #: and verify a read in steps, each while its bytes are still in the CPU's cache (transfer.engine).
+    #: A request costs no round trip: readers fetch index footers before the data rather than guess them.
     instant_requests = True
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
