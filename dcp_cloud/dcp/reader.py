@@ -107,8 +107,11 @@ class CloudReader(CloudBase, StorageReader):
         self._footers: dict[str, Any] | None = None
         #: Objects a tiled save wrote: checksum blocks sized by item, not by tensor; read byte-precisely.
         self._tiled: frozenset[str] = frozenset()
-        #: Send the first reads before the footers arrive (see :mod:`.prediction`); off after a wrong guess.
-        self._guessing = self.transfer.speculative_reads
+        #: Send the first reads before the footers arrive (see :mod:`.prediction`); off after a wrong guess, and
+        #: where a request costs no round trip to save (a local directory): there a footer is in before a guess
+        #: could gain anything, and reads verified as they land (no footer riding on the last) keep the checks
+        #: beside the reads, in the workers, rather than after them in the thread that lands them.
+        self._guessing = self.transfer.speculative_reads and not getattr(self.store, "instant_requests", False)
         self._metadata: Metadata | None = None
         self._metadata_error: BaseException | None = None
         #: ``.metadata`` as fetched by the constructor of the rank that shares it, until read_metadata sends it.

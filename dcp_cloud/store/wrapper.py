@@ -29,6 +29,8 @@ class StoreWrapper:
         self.limits = inner.limits
         #: Whether ``inner`` takes parts at their offsets (``put_part_at``, the local store).
         self.positional_parts: bool = bool(getattr(inner, "positional_parts", False))
+        #: Whether a request of ``inner`` costs no round trip (a local file; see ``LocalStore``).
+        self.instant_requests: bool = bool(getattr(inner, "instant_requests", False))
         #: Whether a completed upload may leave parts behind that an abort must release (GCS composites);
         #: stores that do not say so are swept.
         self.sweeps_after_complete: bool = bool(getattr(inner, "sweeps_after_complete", True))
