@@ -511,6 +511,10 @@ def _render(args: argparse.Namespace, raw: dict[str, Any], env_info: dict[str, A
             and all(o["tier_stats"]["restored_from_object_store"] == 0 for o in ranks_ok)
         )
         bitwise = bool(ranks_ok) and len(ranks_ok) == world and all(o.get("verified") for o in ranks_ok)
+        # restored_from_object_store stays 0 when a load falls back to the object store altogether, so the
+        # local tier and the proxy's count must confirm it
+        local = bool(ranks_ok) and all(o["tier_stats"]["last_load_tier"] == "local" for o in ranks_ok)
+        gets = load.get("object_gets")
         parts.append(
             f"### 4. Node loss: 2 nodes x {args.ranks_per_node} rank(s), replicas=1, "
             f"{args.node_mb or args.mb:g} MiB over all ranks; node 1's local tier removed "
@@ -534,7 +538,8 @@ def _render(args: argparse.Namespace, raw: dict[str, Any], env_info: dict[str, A
         if load:
             parts.append(
                 f"Restart after the loss: bitwise on every rank: {bitwise}; restored_from_object_store == 0 on every "
-                f"rank: {zero} ({_note(bitwise and zero)}). Proxy count during the restart: "
+                f"rank: {zero}; loaded from the local tier on every rank: {local}; object GETs: {gets} "
+                f"({_note(bitwise and zero and local and gets == 0)}). Proxy count during the restart: "
                 f"{load.get('object_gets', '-')} object GETs under the run's root "
                 f"({(load.get('object_get_bytes') or 0) / MiB:.1f} MiB), {load.get('listing_gets', '-')} listings, "
                 f"{load.get('other_requests', '-')} other requests; server / proxy CPU "
