@@ -338,13 +338,15 @@ def main(argv: list[str] | None = None) -> int:
                     spec = {**common, "kind": "save", "contender": c, "saves": args.saves,
                             "root": f"s3://{C.BUCKET}/{name}", "local": local}  # fmt: skip
                     res = measured(lambda s=spec: C.run_child(SCRIPT, s, env=env, timeout=args.timeout))
+                    snap = proxy.snapshot()
+                    res.update(requests=snap.requests, request_bytes=snap.request_bytes)
                     raw["saves"].setdefault(c, []).append(res)
                     if "error" in res:
                         print(f"  save r{rnd} {c}: ERROR {res['error'][:600]}", file=sys.stderr, flush=True)
                         continue
                     print(f"  save r{rnd} {c:20s} stall {_mr(res['stalls'][1:], 1000, 1)} ms, behind "
-                          f"{_mr(res['behind'][1:])} s, drain {_mr(res['drains'][1:])} s", file=sys.stderr,
-                          flush=True)  # fmt: skip
+                          f"{_mr(res['behind'][1:])} s, drain {_mr(res['drains'][1:])} s, requests {snap.requests} "
+                          f"({snap.request_bytes / MiB:.0f} MiB sent)", file=sys.stderr, flush=True)  # fmt: skip
                     if c == "tiered manager":
                         newest = {"root": spec["root"], "local": local, "step": res["step"],
                                   "step_uri": res["step_uri"], "step_dir": res["step_dir"]}  # fmt: skip
@@ -450,7 +452,7 @@ def _render(args: argparse.Namespace, raw: dict[str, Any], env_info: dict[str, A
         runs = saves[c]
         if not runs:
             err = (raw["saves"].get(c) or [{"error": "not run"}])[0].get("error", "")
-            rows.append([c, "error: " + err[:300]] + [""] * 7)
+            rows.append([c, "error: " + err[:300]] + [""] * 9)
             continue
         behind = [x for r in runs for x in r["behind"][1:]]
         drains = [x for r in runs for x in r["drains"][1:]]
@@ -465,12 +467,14 @@ def _render(args: argparse.Namespace, raw: dict[str, Any], env_info: dict[str, A
         rows.append([
             c, _mr(steady[c], 1000, 1), _mr([r["stalls"][0] for r in runs], 1000, 1),
             _mr(behind), _mr(drains) if drains else "-", up, *_costs(runs),
+            ", ".join(f"{k} {v}" for k, v in sorted(runs[0].get("requests", {}).items())) or "-",
+            f"{runs[0].get('request_bytes', 0) / MiB:.0f}",
         ])  # fmt: skip
     parts.append(f"### 2-3. Saves ({args.saves} per process, the first is warm-up)\n\n" + C.markdown_table(
         ["contender", "stall ms, steady, median (min-max)", "first save's stall ms",
          "stall end to commit s (local commit, tiered)", "local commit to drain commit s", "MiB/s to the object store",
-         "client CPU s (process, all saves)", "extra peak RSS MiB", "server / proxy CPU s (process)"],
-        rows))  # fmt: skip
+         "client CPU s (process, all saves)", "extra peak RSS MiB", "server / proxy CPU s (process)",
+         "requests (first round's process)", "MiB sent (first round's process)"], rows))  # fmt: skip
     st, sb = _med(steady["tiered manager"]), _med(steady["manager, no local="])
     tiered = saves["tiered manager"]
     drain_rate = direct_rate = None
