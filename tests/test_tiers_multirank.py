@@ -50,8 +50,13 @@ def _save(rank: int, world: int, base: str, root: str) -> dict[str, Any]:
             mgr.async_save(step, _state(world, step))
         mgr.wait()
         stats = mgr.tier_stats
-        return {"steps": mgr.steps(), "drained": stats.drained_steps, "pending": stats.pending_drains,
-                "sent": stats.peer_bytes_sent, "received": stats.peer_bytes_received}
+        return {
+            "steps": mgr.steps(),
+            "drained": stats.drained_steps,
+            "pending": stats.pending_drains,
+            "sent": stats.peer_bytes_sent,
+            "received": stats.peer_bytes_received,
+        }
 
 
 def _load(rank: int, world: int, base: str, root: str) -> dict[str, Any]:
@@ -65,8 +70,13 @@ def _load(rank: int, world: int, base: str, root: str) -> dict[str, Any]:
             and target["step"] == 3
         )
         stats = mgr.tier_stats
-        return {"step": step, "ok": ok, "tier": stats.last_load_tier, "peers": stats.restored_from_peers,
-                "store": stats.restored_from_object_store}
+        return {
+            "step": step,
+            "ok": ok,
+            "tier": stats.last_load_tier,
+            "peers": stats.restored_from_peers,
+            "store": stats.restored_from_object_store,
+        }
 
 
 def _tensor_byte(shard: Path, data: bytes) -> int:
