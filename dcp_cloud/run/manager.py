@@ -470,6 +470,7 @@ class CheckpointManager:
     def _load_tiered(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         driver = self._tiers
         assert driver is not None
+        driver.prefetch(lambda: self._view.current(refresh))
         driver.recover(self._view.current)
         return driver.load(
             state,
