@@ -9,7 +9,6 @@ from typing import Any
 from ..config import RetryConfig, TransferConfig
 from ..dcp.backend import Backend
 from ..dcp.staging import StagingConfig
-from ..dcp.typed import load as typed_load
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -18,10 +17,10 @@ from ..errors import (
     StepExistsError,
 )
 from ..store.protocol import ObjectStore
-from . import leases
 from .background import Background
 from .catalog import Directory
 from .group import Groups, exchange
+from .loading import load_from_root
 from .naming import StepNaming, check_step
 from .pending import InFlightSave, PendingSave
 from .policy import RetentionPolicy
@@ -483,47 +482,7 @@ class CheckpointManager:
         )
 
     def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
-        held: list[leases.Holding] = []
-
-        def check() -> int | None:
-            return None if step is None else check_step(step)
-
-        def choose() -> tuple[int, str] | None:
-            if step is None:
-                view = self._view.current(refresh)
-                if not view:
-                    return None
-                chosen = max(view)
-                name = view[chosen].name
-            else:
-                chosen = check_step(step)
-                name = self._directory_of(chosen).name
-            catalog = self._storage.catalog
-            try:
-                held.append(leases.take(catalog.store, catalog.list_prefix, name, chosen, self.lease_ttl))
-            except DcpCloudError as exc:  # e.g. read-only credentials: the load goes on without the protection
-                log.warning(
-                    "loading step %d of %s without a reader's lease (it could not be written: %s); the retention "
-                    "of the job that saves this run could delete the step while it loads",
-                    chosen,
-                    self.root,
-                    exc,
-                )
-            return chosen, name
-
-        try:
-            found = self._rank0(choose, check)
-            if found is None:
-                log.info("%s has no committed step: nothing to resume from", self.root)
-                return None
-            chosen, name = found
-            reader = self._storage.reader(name, self._groups.user)
-            typed_load(state, storage_reader=reader, planner=planner, process_group=self._groups.user)
-            log.info("loaded step %d of %s", chosen, self.root)
-            return chosen
-        finally:
-            for lease in held:
-                lease.release()
+        return load_from_root(self, state, step, planner, refresh)
 
     # -- end ----------------------------------------------------------------------------
     def wait(self) -> None:
