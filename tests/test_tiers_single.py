@@ -53,11 +53,14 @@ def test_bad_options_are_refused_with_the_reason(kwargs: dict[str, Any], match: 
         LocalTier(**kwargs)
 
 
-def test_a_replica_needs_another_node(tmp_path: Path) -> None:
-    mgr = CheckpointManager(str(tmp_path / "root"), local=LocalTier(str(tmp_path / "local"), replicas=1))
-    with pytest.raises(ConfigError, match="node"):
-        mgr.save(1, state_at(1))
-    mgr.close()
+def test_replicas_beyond_the_nodes_degrade_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="dcp_cloud.run"):
+        with CheckpointManager(str(tmp_path / "root"), local=LocalTier(str(tmp_path / "local"), replicas=1)) as mgr:
+            mgr.save(1, state_at(1))  # one node: no copy anywhere else, and the save goes on
+            target = empty()
+            assert mgr.load(target) == 1 and same(target, state_at(1))
+    warned = [r.getMessage() for r in caplog.records if "replicas=1" in r.getMessage()]
+    assert len(warned) == 1 and "on 1" in warned[0]
 
 
 def test_steps_drain_every_second_step_and_the_local_tier_keeps_its_last(tmp_path: Path) -> None:

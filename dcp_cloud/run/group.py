@@ -90,6 +90,11 @@ class Groups:
         self._make()
         return self._saves
 
+    def for_saves(self) -> Any:
+        """The group a save's ``dcp.save`` runs in: the saves group; alone, the user's group (a group of one
+        rank in a larger job: None would be the whole default group, whose other ranks are not saving)."""
+        return self.saves() if self.active else self.user
+
     def tiers(self) -> Any:
         """The group of the tiers' background work (the user's group where one was given)."""
         self._make()

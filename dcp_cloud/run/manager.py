@@ -279,7 +279,7 @@ class CheckpointManager:
         ``overwrite``. Waits for a save in flight first, and raises its error if it failed.
         """
         pending = self._begin(step, metadata, overwrite)
-        group = self._groups.saves() if self._groups.active else None
+        group = self._groups.for_saves()
         try:
             typed_save(plain(state), pending.writer, planner, group)
             self._local_committed(pending, group)
@@ -304,7 +304,7 @@ class CheckpointManager:
         once the returned handle's ``staged()`` returns). Same rules as :meth:`save`; the upload's failure is
         raised by the next save, :meth:`wait` or :meth:`close`."""
         pending = self._begin(step, metadata, overwrite)
-        group = self._groups.saves() if self._groups.active else None
+        group = self._groups.for_saves()
         staging_error: BaseException | None = None
         try:
             staged: Any = pending.writer.stage(plain(state))

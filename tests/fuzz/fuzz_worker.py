@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import fuzz_targets as targets
+import fuzz_tiers
 import torch.distributed as dist
 from fuzz_cases import Case, partial
 from fuzz_options import Target, by_scope
@@ -422,6 +423,12 @@ class CaseRun:
             out += [("copy", 1, self.copy), ("load of the copy", c.w2, self.load_copy)]
         if self.overwrite and self.incremental:
             out += [("base overwrite", c.w1, self.base_overwrite), ("load after base overwrite", c.w2, self.load)]
+        if c.opt("tier"):
+            out += [
+                ("tiered save", c.w1, lambda: fuzz_tiers.tiered_save(self)),
+                ("lose a node", 1, lambda: fuzz_tiers.lose_node(self)),
+                ("tiered load", c.w2, lambda: fuzz_tiers.tiered_load(self)),
+            ]
         if c.opt("cleanup") == "gc":
             out += [("gc", 1, self.gc), ("load after gc", c.w2, self.after_gc)]
         elif c.opt("cleanup") == "rm":

@@ -24,7 +24,8 @@ class LocalTier:
     #: The node-local directory of this run (made if missing); each step is ``<path>/<step name>``.
     path: str
     #: How many other nodes hold a copy of each node's files (None: 1 where the job has two or more nodes,
-    #: else 0). A copy goes to a different node, never to the same one.
+    #: else 0). A copy goes to a different node, never to the same one; a job on fewer nodes (a restart after
+    #: a node was lost) makes as many copies as it has other nodes, with a warning.
     replicas: int | None = None
     #: Drain every ``drain_every``-th step to the object store (1: every step). Steps not drained stay only
     #: on the local tiers, and are dropped there by ``retention``.

@@ -94,7 +94,17 @@ class LocalTiers:
         replicas = self.config.replicas
         if replicas is None:
             replicas = 1 if count > 1 else 0
-        targets = replica_targets(nodes, replicas)  # ConfigError alike on every rank
+        elif replicas > count - 1:  # e.g. a job restarted on fewer nodes: fewer copies, not no job
+            log.warning(
+                "LocalTier(replicas=%d) needs %d nodes, but this job's ranks are on %d: each node's files are "
+                "copied to %d other node(s)",
+                replicas,
+                replicas + 1,
+                count,
+                count - 1,
+            )
+            replicas = count - 1
+        targets = replica_targets(nodes, replicas)
         self._nodes, self._targets = nodes, targets
         log.info("local tier %s: %d node(s), %d replica(s) of each", self.config.path, count, replicas)
         return nodes
