@@ -148,3 +148,19 @@ def test_a_corrupt_local_copy_is_set_aside_and_read_from_the_object_store(
     warned = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
     assert len(warned) == 1 and "step 7" in warned[0] and shard.name in warned[0] and "rank 0" in warned[0]
     assert os.path.exists(f"{shard}.corrupt")
+
+
+def test_the_cli_shows_the_local_tier_and_what_is_not_drained(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dcp_cloud.cli.main import main
+
+    root, local = tmp_path / "root", tmp_path / "local"
+    with CheckpointManager(str(root), local=LocalTier(str(local), drain_every=2)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step))
+    capsys.readouterr()
+    assert main(["steps", str(root), "--local", str(local)]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index(f"local tier {local}") :].splitlines()
+    assert "2 step(s)" in lines[0]
+    assert lines[2].split()[0] == "2" and lines[2].endswith("drained")
+    assert lines[3].split()[0] == "3" and lines[3].endswith("not drained")

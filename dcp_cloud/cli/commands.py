@@ -310,6 +310,8 @@ def cmd_steps(args: argparse.Namespace) -> int:
             f"no steps under {args.uri}"
             + (f" (other checkpoints: {', '.join(report.others)})" if report.others else "")
         )
+        if getattr(args, "local", None):
+            _local_tier(args.local, set())
         return 0
     rows = [("STEP", "STATE", "SIZE", "SAVED (UTC)", "BASED ON", "KEPT BECAUSE", "METADATA")]
     for s in report.steps:
@@ -325,7 +327,27 @@ def cmd_steps(args: argparse.Namespace) -> int:
     print(f"retention: {policy} ({report.retention_source}); the newest step and the bases of kept steps always stay")
     if report.others:
         print(f"not steps of this run (left alone): {', '.join(report.others)}")
+    if getattr(args, "local", None):
+        _local_tier(args.local, {s.step for s in report.steps if s.state == "committed"})
     return 0
+
+
+def _local_tier(path: str, remote: set[int]) -> None:
+    """This node's local tier: each step, committed here or not, and drained to the root or not (yet: a step
+    ``drain_every`` skips, or one whose drain waits)."""
+    from ..run.naming import StepNaming
+    from ..run.tiers.listing import scan
+
+    found = sorted(scan(path, StepNaming()).values(), key=lambda s: s.step)
+    print(f"local tier {path}: " + ("no steps" if not found else f"{len(found)} step(s)"))
+    if not found:
+        return
+    rows = [("STEP", "HERE", "SIZE", "OBJECT STORE")]
+    for s in found:
+        here = "committed" if s.committed else "partial"
+        there = "drained" if s.drained or s.step in remote else ("not drained" if s.committed else "-")
+        rows.append((str(s.step), here, size(sum(s.files.values())), there))
+    _table(rows, right=(0, 2))
 
 
 COMMANDS = {

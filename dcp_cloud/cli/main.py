@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--keep-best", type=_positive_int, metavar="K", help="rule: keep the best K steps by --metric")
     steps.add_argument("--metric", metavar="NAME", help="key of the metric in the steps' saved metadata")
     steps.add_argument("--mode", choices=("min", "max"), default="min", help="best is the lowest (min) or highest")
+    steps.add_argument(
+        "--local",
+        metavar="DIR",
+        help="also show this node's local tier (LocalTier's path): its steps, and which are not drained to URI yet",
+    )
 
     inspect = commands.add_parser(
         "inspect",
