@@ -37,7 +37,8 @@ def _state(rank: int, step: int) -> dict[str, Any]:
 def _manager(base: str, rank: int, root: str, **store: Any) -> Any:
     from dcp_cloud import CheckpointManager, LocalTier
 
-    return CheckpointManager(root, retry=RETRY, local=LocalTier(f"{base}/node{rank // 2}"), **store)
+    # the nodes named as a launcher numbers them (torchrun's GROUP_RANK), not told apart by their directories
+    return CheckpointManager(root, retry=RETRY, local=LocalTier(f"{base}/node{rank // 2}", node=rank // 2), **store)
 
 
 def _blocked_tier(rank: int, world: int, base: str) -> tuple[str, float]:

@@ -39,6 +39,10 @@ class LocalTier:
     drain_transfer: TransferConfig | None = None
     #: Bytes per message when files move between ranks (replication, restore); two are alive per direction.
     chunk_bytes: int = 8 << 20
+    #: This rank's node (failure domain) as the job names it, e.g. torchrun's ``GROUP_RANK`` or a rack and host
+    #: name; ranks with the same name are one node, and copies go to other names. None: the host and ``path``
+    #: tell the nodes apart.
+    node: str | int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(os.fspath(self.path)):
@@ -63,6 +67,8 @@ class LocalTier:
             raise ConfigError(
                 f"LocalTier.drain_transfer must be a TransferConfig, got {type(self.drain_transfer).__name__}"
             )
+        if self.node is not None and (isinstance(self.node, bool) or not isinstance(self.node, (str, int))):
+            raise ConfigError(f"LocalTier.node must be a name (str or int) or None, got {self.node!r}")
         if not isinstance(self.chunk_bytes, int) or isinstance(self.chunk_bytes, bool) or self.chunk_bytes < 4096:
             raise ConfigError(f"LocalTier.chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
 

@@ -86,6 +86,8 @@ class LocalTiers:
 
         def mine() -> tuple[str, str]:
             os.makedirs(self.config.path, exist_ok=True)
+            if self.config.node is not None:
+                return ("named", str(self.config.node))
             return node_key(self.config.path)
 
         keys = exchange(self.groups, mine)
