@@ -2,8 +2,8 @@
 the retry deadline plus seconds, never the process group's timeout), with a typed error or the documented
 degradation, and nothing is lost.
 
-* one node's local tier cannot take a step (a file where its directory should be): the save raises on every
-  rank, naming the failed rank, and nothing is committed;
+* one rank's local tier cannot be made, or one node's tier cannot take a step (a file where a directory
+  should be): the save raises on every rank, naming the failed rank, and nothing is committed;
 * a peer dies while its node's files are copied: the copy is given up on the other ranks (a warning), and
   their next save fails at once instead of waiting on the dead rank;
 * the object store is dead during the drains: training goes on (saves end as fast as the local tier lets
@@ -42,6 +42,18 @@ def _manager(base: str, rank: int, root: str, **store: Any) -> Any:
 
 
 def _blocked_tier(rank: int, world: int, base: str) -> tuple[str, float]:
+    from dcp_cloud import CheckpointManager, LocalTier
+
+    # first a job whose rank 3 gives a file for its local tier: its first save fails on every rank, at once
+    path = f"{base}/blocker" if rank == 3 else f"{base}/node{rank // 2}"
+    started = time.monotonic()
+    try:
+        with CheckpointManager(f"file://{base}/remote", retry=RETRY, local=LocalTier(path)) as unmakeable:
+            unmakeable.save(1, _state(rank, 1))
+        return "saved with an unmakeable tier", 0.0
+    except Exception as exc:  # noqa: BLE001 - every rank must raise, naming rank 3 (or its own error)
+        if rank != 3 and "rank 3" not in str(exc):
+            return f"{type(exc).__name__}: {exc}", time.monotonic() - started
     mgr = _manager(base, rank, f"file://{base}/remote")
     mgr.save(1, _state(rank, 1))
     if rank == 2:
@@ -90,6 +102,7 @@ def _dead_store(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 def test_one_nodes_tier_that_cannot_take_a_step_fails_every_rank_soon(tmp_path: Path) -> None:
+    (tmp_path / "blocker").write_text("a file where rank 3's local tier should be")
     results = run_ranks(4, _blocked_tier, str(tmp_path), timeout=120)
     for rank, (outcome, seconds) in enumerate(results):
         assert seconds < BOUND, (rank, seconds)
