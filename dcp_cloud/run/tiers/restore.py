@@ -11,6 +11,7 @@ local tiers where some node holds the bytes, from the object store otherwise.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -147,6 +148,14 @@ def _whole_everywhere(view: Tiers, name: str) -> bool:
     return True
 
 
+def _check_node(tiers: LocalTiers, view: Tiers, step: int, name: str, wants: list[frozenset[str]]) -> list[str]:
+    """On each node's leader (its ranks share the directory): :func:`_set_aside` of what the node's ranks read."""
+    if not tiers.is_leader():
+        return []
+    mine = view.nodes[tiers.rank()]
+    return _set_aside(tiers, step, name, frozenset().union(*(w for r, w in enumerate(wants) if view.nodes[r] == mine)))
+
+
 def load_local(
     tiers: LocalTiers,
     view: Tiers,
@@ -187,7 +196,7 @@ def load_local(
                 return True
             except CorruptCheckpointError as exc:
                 log.info("loading step %d from the local tiers found a corrupt copy (%s); checking them", step, exc)
-            bad = exchange(tiers.groups, lambda: _set_aside(tiers, step, name, wants[tiers.rank()]))
+            bad = exchange(tiers.groups, functools.partial(_check_node, tiers, view, step, name, wants))
             for rank, names in enumerate(bad):
                 node = view.nodes[rank]
                 for rel in names:
