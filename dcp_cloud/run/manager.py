@@ -470,8 +470,7 @@ class CheckpointManager:
         driver = self._tiers
         assert driver is not None
         driver.prefetch(lambda: self._view.current(refresh))
-        driver.recover(self._view.current)
-        return driver.load(
+        loaded = driver.load(
             state,
             step,
             planner,
@@ -480,6 +479,8 @@ class CheckpointManager:
             load_remote=lambda chosen: self._load_remote(state, chosen, planner, refresh),
             group=self._groups.user,
         )
+        driver.recover(self._view.current)  # after the load: it waits for nothing the load needs
+        return loaded
 
     def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         return load_from_root(self, state, step, planner, refresh)

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ...errors import CheckpointNotFoundError, DcpCloudError
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError
 from ..group import exchange
 from ..naming import check_step
-from .plan import Tiers, complete_steps
+from .plan import Tiers, complete_steps, known_steps
 from .restore import load_local
 from .runtime import LocalTiers
 from .tasks import drain, replicate, retain
@@ -167,11 +167,16 @@ class TierDriver:
 
     # -- load ---------------------------------------------------------------------------------
     def choose(self, view: Tiers, remote: dict[int, str], step: int | None) -> tuple[int, str, str] | None:
-        """Rank 0: the step to load, its directory name, and ``"local"`` or ``"object store"``."""
+        """Rank 0: the step to load, its directory name, and ``"local"`` or ``"object store"``: local where the
+        local tiers hold it whole, or hold some of it and the object store the rest (each file from the nearest
+        copy)."""
         local = complete_steps(view)
+        known = known_steps(view)
         if step is not None:
             if step in local:
                 return step, local[step], "local"
+            if step in remote and step in known:
+                return step, known[step], "local"
             if step in remote:
                 return step, remote[step], "object store"
             have = sorted(set(local) | set(remote))
@@ -184,6 +189,8 @@ class TierDriver:
             return None
         if newest in local:
             return newest, local[newest], "local"
+        if newest in known:
+            return newest, known[newest], "local"
         return newest, remote[newest], "object store"
 
     def load(
@@ -204,6 +211,13 @@ class TierDriver:
         stats = self.tiers.stats
         stats.restored_from_peers = stats.restored_from_object_store = 0
         stats.last_load_tier = None
+        # The newest step complete on the local tiers loads while rank 0 lists the object store (started by
+        # ``prefetch``): almost always it is the newest anywhere; where the store turns out to hold a newer one
+        # (local copies lost after their drain), that one is loaded over it.
+        speculative = None
+        if step is None and complete_steps(view):
+            speculative = self._load_newest_local(view, state, planner, group)
+            view = self.tiers.gather()  # what the attempt moved or set aside
 
         def choose() -> tuple[int, str, str, bool] | None:
             there = self.remote_steps(remote)
@@ -215,6 +229,9 @@ class TierDriver:
             log.info("%s has no step on any tier: nothing to resume from", self.tiers.storage.root_uri)
             return None
         chosen, name, tier, drained = found
+        if chosen == speculative:
+            log.info("loaded step %d from the local tiers (%s)", chosen, self.tiers.config.path)
+            return chosen
         if tier == "local" and load_local(self.tiers, view, state, chosen, name, planner, group, drained):
             log.info("loaded step %d from the local tiers (%s)", chosen, self.tiers.config.path)
             return chosen
@@ -224,6 +241,20 @@ class TierDriver:
             )
         self.tiers.stats.last_load_tier = "object store"
         return load_remote(chosen)
+
+    def _load_newest_local(self, view: Tiers, state: dict[str, Any], planner: Any, group: Any) -> int | None:
+        """Collective: load the newest step complete on the local tiers, from them alone; its step, or None where
+        there is none or it needs a file no node holds whole (the caller then decides with the store's list)."""
+        local = complete_steps(view)
+        if not local:
+            return None
+        newest = max(local)
+        try:
+            done = load_local(self.tiers, view, state, newest, local[newest], planner, group, False)
+        except CorruptCheckpointError as exc:  # a copy to fetch from the object store: decided with its list
+            log.info("step %d needs the object store (%s)", newest, exc)
+            return None
+        return newest if done else None
 
     def wait(self) -> None:
         self.tiers.worker.wait()

@@ -83,6 +83,16 @@ def complete_steps(tiers: Tiers) -> dict[int, str]:
     return out
 
 
+def known_steps(tiers: Tiers) -> dict[int, str]:
+    """The steps whose metadata some node holds (complete or not on the local tiers), by step."""
+    out: dict[int, str] = {}
+    for listing in tiers.listings:
+        for name, found in listing.items():
+            if found.committed and found.needs is not None:
+                out.setdefault(found.step, name)
+    return out
+
+
 def writer_rank(relative: str) -> int | None:
     base = relative.rsplit("/", 1)[-1]
     if not base.startswith("__"):
@@ -174,4 +184,13 @@ def drain_plan(tiers: Tiers, name: str) -> DrainPlan:
     return DrainPlan(uploads, min(committers) if committers else 0, tuple(missing))
 
 
-__all__ = ["DrainPlan", "Move", "Tiers", "complete_steps", "drain_plan", "restore_moves", "writer_rank"]
+__all__ = [
+    "DrainPlan",
+    "Move",
+    "Tiers",
+    "complete_steps",
+    "drain_plan",
+    "known_steps",
+    "restore_moves",
+    "writer_rank",
+]
