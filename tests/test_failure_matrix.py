@@ -3,8 +3,8 @@
 In each case one rank (the victim) reaches the store through a fault proxy
 that, from one phase of a save or load on, either never answers (accepts the
 request and holds it: a dead endpoint) or answers every request with 500 (on
-Azure also with 503 ServerBusy, its throttling answer, which the retry loop
-treats as throttling and the adaptive rate limit follows). The
+S3), or on Azure with 503 ServerBusy, its throttling answer, which the retry
+loop treats as throttling and the adaptive rate limit follows. The
 other ranks talk to the store directly. Phases: the writer's and reader's
 constructors, the metadata fetch (and its broadcast), the incremental save's
 planning, writes, the commit, a rank's own reads, and the shared-read rounds.
@@ -133,8 +133,12 @@ CASES = [
     Case("load-shared-reads", "load", 3, _shard_read, (), True, ops=("read",)),
 ]
 FAULTS = ("dead", "500")
-#: Azure's throttling answer joins its matrix: 503 ServerBusy, retried as throttling under the adaptive rate.
-AZURE_FAULTS = (*FAULTS, "503")
+#: GCS and Azure meet the dead store in every phase, and Azure its throttling answer (503 ServerBusy, retried
+#: as throttling under the adaptive rate). A 500 in every phase runs on S3 only: the retry loop that gives up
+#: on it and the exchange that brings the error to every rank are the same for every store, and each store's
+#: 500 is translated and retried in test_faults_e2e (every fault kind, on every store); this keeps the matrix
+#: within CI's time.
+STORE_FAULTS = {"gcs": ("dead",), "azure": ("dead", "503")}
 #: The account of Azurite's path-style URLs.
 AZURITE_ACCOUNT = "devstoreaccount1"
 #: The proxy's counter of each fault, and what the victim's last attempt met, as its error says.
@@ -258,7 +262,7 @@ def _victim_problems(case: Case, fault: str, outcome: dict[str, Any]) -> list[st
 
 def _cases(kind: str) -> Iterator[tuple[Case, str]]:
     for case in CASES:
-        for fault in AZURE_FAULTS if kind == "azure" else FAULTS:
+        for fault in FAULTS if kind == "s3" else STORE_FAULTS[kind]:
             yield case, fault
 
 

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 #: Cases of the CI tier on moto and the local store (about 1 minute on a 2-core machine, world start
 #: included), and on Ceph RGW, on GCS and on Azure (a fraction of them each: the same code, other servers'
 #: answers).
-CI_CASES = 200
+CI_CASES = 120
 SHARES = {"rgw": 8, "gcs": 8, "azure": 8}
 
 
