@@ -215,10 +215,22 @@ class RunStorage:
 
     def writer(self, name: str, *, base: str | None, overwrite: bool, record: dict[str, Any]) -> StepWriter:
         """The writer of step directory ``name`` (``base``: the name of the step it is saved against)."""
-        options = self.writer_options
-        return StepWriter(
+        return self.writer_at(
             self.step_uri(name),
             self.backend,
+            base=self.step_uri(base) if base is not None else None,
+            overwrite=overwrite,
+            record=record,
+        )
+
+    def writer_at(
+        self, uri: str, backend: Backend, *, base: str | None, overwrite: bool, record: dict[str, Any]
+    ) -> StepWriter:
+        """A step's writer at ``uri`` through ``backend`` with the run's options (a local tier's is a directory)."""
+        options = self.writer_options
+        return StepWriter(
+            uri,
+            backend,
             record=record,
             transfer=self.transfer,
             retry=self.retry,
@@ -227,7 +239,7 @@ class RunStorage:
             staging=self.staging,
             compression=options.compression,
             compression_level=options.compression_level,
-            base=self.step_uri(base) if base is not None else None,
+            base=base,
             spread_prefixes=options.spread_prefixes,
         )
 

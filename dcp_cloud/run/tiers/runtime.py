@@ -129,22 +129,9 @@ class LocalTiers:
     # -- save -----------------------------------------------------------------------------
     def writer(self, name: str, *, overwrite: bool, record: dict[str, Any]) -> StepWriter:
         """The writer of step ``name`` on this rank's node (the local tier; never incremental there)."""
-        storage = self.storage
-        options = storage.writer_options
         os.makedirs(self.config.path, exist_ok=True)
-        return StepWriter(
-            self.step_dir(name),
-            LocalBackend(),
-            record=record,
-            transfer=storage.transfer,
-            retry=storage.retry,
-            overwrite=overwrite,
-            checksums=options.checksums,
-            staging=storage.staging,
-            compression=options.compression,
-            compression_level=options.compression_level,
-            base=None,
-            spread_prefixes=options.spread_prefixes,
+        return self.storage.writer_at(
+            self.step_dir(name), LocalBackend(), base=None, overwrite=overwrite, record=record
         )
 
     def local_record(self, step: int) -> StepRecord | None:
