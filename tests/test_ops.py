@@ -40,6 +40,9 @@ from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.s3 import S3Store
 from dcp_cloud.store.wrapper import StoreWrapper
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan
+from dcp_cloud.testing.proxy import FaultProxy
+
+MiB = 1 << 20
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -151,6 +154,55 @@ def test_cp_across_stores_streams_verifies_and_loads_everywhere(
     assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == sorted(
         k.rsplit("/", 1)[1] for k in _s3_keys(s3_bucket, "run/step-1/")
     )
+
+
+@pytest.mark.parametrize("source", ["file", "gs"])
+def test_cp_streams_each_object_under_the_single_put_limit_in_one_put(
+    source: str, moto_server: Any, s3_bucket: str, gcs_bucket: str, gcs_env: Any, tmp_path: Path
+) -> None:
+    """A streamed copy sends an object that spans several parts but is under the single-PUT limit as one PUT,
+    as a direct save does (it went multipart at the second part: two round trips and a copy more per object;
+    the tiers' drain streams every step this way): from a directory, the object's mapped file; from another
+    store, the chunks it read, lent to the upload."""
+    transfer = dcp_cloud.TransferConfig(part_size=5 * MiB, read_chunk_size=2 * MiB, max_inflight_parts=8)
+    state = {"w": torch.arange(3 * MiB, dtype=torch.float32), "b": torch.ones(7)}  # 12 MiB: 3 parts
+    if source == "file":
+        src = f"file://{tmp_path}/src"
+        dcp_cloud.save(state, storage_writer=LocalWriter(tmp_path / "src"))
+    else:
+        src = f"gs://{gcs_bucket}/src"
+        dcp_cloud.save(state, storage_writer=dcp_cloud.GCSWriter(src))
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        dst = f"s3://{s3_bucket}/one-put/step-1"
+        options = {"endpoint_url": proxy.url}
+        report = copy_checkpoint(src, dst, transfer=transfer, destination_options=options)
+        stats = proxy.snapshot()
+    assert not report.server_side and report.objects == 1
+    shard = [path for method, path in stats.by_path if method == "PUT" and path.endswith(".distcp")]
+    assert len(shard) == 1, stats.by_path
+    # One PUT; a multipart upload is a POST to create it, a PUT per part and a POST to complete it.
+    assert stats.by_path[("PUT", shard[0])].requests == 1, stats.by_path[("PUT", shard[0])]
+    assert ("POST", shard[0]) not in stats.by_path
+    target = {"w": torch.zeros(3 * MiB), "b": torch.zeros(7)}
+    dcp_cloud.load(target, storage_reader=S3Reader(dst, endpoint_url=moto_server.endpoint_url))
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_cp_of_a_corrupted_directory_to_a_bucket_sends_and_commits_nothing_corrupt(
+    moto_server: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    """Objects of a directory go up from their mapped files: each is checked before its PUT."""
+    dcp_cloud.save(_state(), storage_writer=LocalWriter(tmp_path / "src"))
+    metadata = load_metadata((tmp_path / "src" / ".metadata").read_bytes(), "m")
+    info = next(i for idx, i in metadata.storage_data.items() if idx.fqn == "w")
+    shard = tmp_path / "src" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + item_extras(LocalStore(str(tmp_path)), "src", metadata, info).raw_offset + 1000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="'w'"):
+        copy_checkpoint(f"file://{tmp_path}/src", f"s3://{s3_bucket}/bad")
+    keys = _s3_keys(s3_bucket, "bad/")
+    assert not any(k.endswith(("/.metadata", str(info.relative_path))) for k in keys), keys
 
 
 def test_cp_within_one_store_is_server_side(backend: Any) -> None:

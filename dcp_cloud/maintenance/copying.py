@@ -54,6 +54,7 @@ from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _METADATA, _open, _read_committed, _Root, log
+from .mapped import mapped_limit, send_mapped
 from .progress import Progress, or_silent
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
 
@@ -320,18 +321,29 @@ def _copy_streaming(
     parallel: bool = False,
 ) -> None:
     """Stream each object through a multipart upload (``parallel``: several objects at once, as many as the
-    upload's memory budget holds their parts; one after another otherwise)."""
+    upload's memory budget holds their parts; one after another otherwise). A local directory's objects under
+    the single-PUT limit go up from their mapped files instead, up to ``concurrency`` at once."""
+    small = mapped_limit(src, dst)
+    if small:
+        send_mapped(src, dst, {n: s for n, s in sizes.items() if s < small}, regions, bar, rename)
+        sizes = {n: s for n, s in sizes.items() if s >= small}
+        if not sizes:
+            return
     with (
         TransferEngine(src.raw, src.transfer, src.retry) as reads,
         TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,
     ):
+        # An object under the single-PUT limit lends its read buffers to its writer, which holds them until
+        # the object ends and sends it in one PUT, as a direct save does (copied bytes would start a multipart
+        # upload at the second part: a create and a complete round trip more per object, and a copy).
+        limit = writes.config.single_put_limit(writes.config.part_size)
 
         def one(name: str, size: int) -> None:
             key = f"{dst.prefix}/{rename[name]}"
             checker = stream_checker(regions.get(name, []), src.url(join_key(src.prefix, name)))
             writer = open_writer(writes, key, size)
             try:
-                _stream(reads, join_key(src.prefix, name), size, checker, writer, bar)
+                _stream(reads, join_key(src.prefix, name), size, checker, writer, bar, borrow=size < limit)
                 writer.commit()
             except BaseException:
                 writer.abort()
@@ -376,9 +388,16 @@ def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any) -> Non
 
 
 def _stream(
-    engine: TransferEngine, key: str, size: int, checker: StreamChecker, writer: Any, bar: Progress | None
+    engine: TransferEngine,
+    key: str,
+    size: int,
+    checker: StreamChecker,
+    writer: Any,
+    bar: Progress | None,
+    borrow: bool = False,
 ) -> None:
-    """Read ``key`` in order through ``engine`` (bounded by its budget), checking and passing on each chunk."""
+    """Read ``key`` in order through ``engine`` (bounded by its budget), checking and passing on each chunk
+    (``borrow``: lent to the writer, which keeps it until the object ends; the caller counts that memory)."""
     chunk = max(1, engine.config.read_chunk_size)
     budget = engine.budget
     pending: deque[tuple[bytearray, Future[None]]] = deque()
@@ -389,7 +408,9 @@ def _stream(
             fut.result()
             view = memoryview(buf)
             checker.update(view)
-            if writer is not None:
+            if writer is not None and borrow:
+                writer.write_view(view, buf)
+            elif writer is not None:
                 writer.write(view)
             if bar is not None:
                 bar.advance(len(buf))
