@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -167,7 +168,24 @@ class PeakProbe:
     the whole process life) is used; ``peak_source`` says which.
     """
 
+    def __init__(self, anon: bool = False) -> None:
+        #: ``anon``: also sample the anonymous RSS (``RssAnon``, every 10 ms): memory the operation allocated,
+        #: without the pages of files it mapped (VmHWM counts those too).
+        self.anon = anon
+        self._anon_peak = 0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self._anon_peak = max(self._anon_peak, (_status_kib("RssAnon") or 0) * 1024)
+
     def start(self) -> None:
+        if self.anon:
+            self._anon_base = (_status_kib("RssAnon") or 0) * 1024
+            self._anon_peak = self._anon_base
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
         self.hwm_before = ru_maxrss()
         self.reset = reset_peak()
         self.base = rss_now()
@@ -175,6 +193,11 @@ class PeakProbe:
 
     def stop(self) -> dict[str, Any]:
         cpu = cpu_seconds() - self.cpu0
+        anon: dict[str, Any] = {}
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            anon = {"rss_anon_extra": max(0, self._anon_peak - self._anon_base)}
         hwm = _status_kib("VmHWM") if self.reset else None
         if hwm is not None:
             peak, source = hwm * 1024, "VmHWM (reset before the operation)"
@@ -189,6 +212,7 @@ class PeakProbe:
             "ru_maxrss_before": self.hwm_before,
             "peak_source": source,
             "cpu_s": cpu,
+            **anon,
         }
 
 
