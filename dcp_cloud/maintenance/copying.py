@@ -54,7 +54,7 @@ from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _METADATA, _open, _read_committed, _Root, log
-from .mapped import mapped_limit, send_mapped
+from .mapped import is_mapped, send_mapped
 from .progress import Progress, or_silent
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
 
@@ -321,14 +321,11 @@ def _copy_streaming(
     parallel: bool = False,
 ) -> None:
     """Stream each object through a multipart upload (``parallel``: several objects at once, as many as the
-    upload's memory budget holds their parts; one after another otherwise). A local directory's objects under
-    the single-PUT limit go up from their mapped files instead, up to ``concurrency`` at once."""
-    small = mapped_limit(src, dst)
-    if small:
-        send_mapped(src, dst, {n: s for n, s in sizes.items() if s < small}, regions, bar, rename)
-        sizes = {n: s for n, s in sizes.items() if s >= small}
-        if not sizes:
-            return
+    upload's memory budget holds their parts; one after another otherwise). A local directory's objects go up
+    from their mapped files instead, up to ``concurrency`` at once."""
+    if is_mapped(src):
+        send_mapped(src, dst, sizes, regions, bar, rename)
+        return
     with (
         TransferEngine(src.raw, src.transfer, src.retry) as reads,
         TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,

@@ -1,12 +1,13 @@
-"""Upload objects of a local directory from their files' pages, each in one PUT.
+"""Upload the objects of a local directory from their files' pages.
 
-A streamed copy reads each object into memory it must then hold until the object's single PUT goes out, so
-its memory budget bounds how many objects are in flight (two 32 MiB objects under the default 128 MiB budget:
-two connections where a direct save keeps eight busy). A local file needs no such copy: it is mapped, its
-CRC32C regions checked over the mapping, and the mapping itself sent as the PUT's body. The pages are the
-file's own (page cache, or the tmpfs' memory), so the only limit on objects in flight is the upload's
-``concurrency``, as in a direct save. Local tier files are immutable once committed, so the bytes checked are
-the bytes sent.
+A streamed copy reads each object into memory, which bounds how many objects are in flight by the memory
+budget (an object under the single-PUT limit must be held whole until its PUT; a bigger one takes the
+budget's part buffers): a copy from a directory kept two connections busy where a direct save keeps eight.
+A local file needs no such copy: it is mapped, its CRC32C regions checked over the mapping, then the mapping
+itself is the upload's body (lent to the object's writer as a tensor's bytes are in a save: one PUT under
+the single-PUT limit, parts in place above it). The pages are the file's own (page cache, or the tmpfs'
+memory), so objects go up ``concurrency`` at a time, as in a direct save. Local tier files are immutable once
+committed, so the bytes checked are the bytes sent.
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..store.local import LocalStore
+from ..transfer.engine import TransferEngine
+from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _Root
 from .progress import Progress
 from .verification import stream_checker
 
-#: Bytes of a mapping checked at a time (the checker's updates stay short; the pages are read once more to send).
+#: Bytes of a mapping checked at a time.
 _CHECK_SLICE = 8 << 20
 
 
-def mapped_limit(src: _Root, dst: _Root) -> int:
-    """Objects of ``src`` smaller than this go up from their mapped files (0: ``src`` is not a directory)."""
-    if not isinstance(src.raw, LocalStore):
-        return 0
-    config = dst.transfer
-    return min(config.single_put_limit(config.part_size), max(config.part_size, dst.raw.limits.max_part_size))
+def is_mapped(src: _Root) -> bool:
+    """Whether ``src``'s objects are files this process can map (a local directory)."""
+    return isinstance(src.raw, LocalStore)
 
 
 def send_mapped(
@@ -44,21 +44,28 @@ def send_mapped(
     bar: Progress,
     rename: dict[str, str],
 ) -> None:
-    """PUT each of ``sizes``' objects from its mapped file, checked first; up to ``concurrency`` at once."""
+    """Upload each of ``sizes``' objects from its mapped file, checked first; up to ``concurrency`` at once."""
     assert isinstance(src.raw, LocalStore)
     local: LocalStore = src.raw
+    with TransferEngine(dst.raw, dst.transfer, dst.retry) as writes:
 
-    def one(name: str, size: int) -> None:
-        key = join_key(src.prefix, name)
-        checker = stream_checker(regions.get(name, []), src.url(key))
-        with _mapped(local, key, size) as view:
-            for start in range(0, size, _CHECK_SLICE):
-                checker.update(view[start : start + _CHECK_SLICE])
-            checker.finish()
-            dst.store.put(f"{dst.prefix}/{rename[name]}", [view] if size else b"")
-        bar.advance(size)
+        def one(name: str, size: int) -> None:
+            key = join_key(src.prefix, name)
+            checker = stream_checker(regions.get(name, []), src.url(key))
+            with _mapped(local, key, size) as (view, owner):
+                for start in range(0, size, _CHECK_SLICE):
+                    checker.update(view[start : start + _CHECK_SLICE])
+                checker.finish()
+                writer = open_writer(writes, f"{dst.prefix}/{rename[name]}", size)
+                try:
+                    writer.write_view(view, owner)
+                    writer.commit()
+                except BaseException:
+                    writer.abort()
+                    raise
+            bar.advance(size)
 
-    _run_all(sizes, one, dst.transfer.concurrency)
+        _run_all(sizes, one, dst.transfer.concurrency)
 
 
 def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: int) -> None:
@@ -69,14 +76,15 @@ def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: in
 
 
 class _mapped:
-    """``with _mapped(store, key, size) as view``: the file's bytes, mapped read-only (empty: no mapping)."""
+    """``with _mapped(store, key, size) as (view, owner)``: the file's bytes, mapped read-only (empty: no
+    mapping), and what keeps them alive."""
 
     def __init__(self, store: LocalStore, key: str, size: int) -> None:
         self._store, self._key, self._size = store, key, size
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
 
-    def __enter__(self) -> memoryview:
+    def __enter__(self) -> tuple[memoryview, Any]:
         path = self._store._path(self._key)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -98,13 +106,13 @@ class _mapped:
         finally:
             os.close(fd)
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        return self._view
+        return self._view, self._map
 
     def __exit__(self, *exc: object) -> None:
-        if self._view is not None:
-            self._view.release()
-        if self._map is not None:
-            try:
+        try:
+            if self._view is not None:
+                self._view.release()
+            if self._map is not None:
                 self._map.close()
-            except BufferError:  # a slice still exported (a retry's body): the mapping goes with it
-                pass
+        except BufferError:  # a slice still referenced (an aborted part's body): the mapping goes with it
+            pass
