@@ -469,7 +469,7 @@ class CheckpointManager:
     def _load_tiered(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         driver = self._tiers
         assert driver is not None
-        driver.prefetch(lambda: self._view.current(refresh))
+        driver.prefetch(lambda: {s: d.name for s, d in self._view.current(refresh).items()})
         loaded = driver.load(
             state,
             step,

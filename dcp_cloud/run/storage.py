@@ -181,6 +181,16 @@ class RunStorage:
         """The root bucket's store, every request counted and retried."""
         return self.catalog.store
 
+    def ready_client(self) -> None:
+        """Build the root store's client now, without a request (its HTTP library's imports, credentials): a
+        restart's load runs it before its reads start, so it does not hold the interpreter beside them."""
+        try:
+            warm = getattr(self._root().raw, "warm", None)
+            if warm is not None:
+                warm(0)
+        except Exception:  # noqa: BLE001 - the first request reports what is wrong
+            pass
+
     def pending_uploads(self) -> list[Any]:
         """Multipart uploads under the root (maintenance.collect's records; [] where the server cannot list
         them, with one warning), every request counted."""
