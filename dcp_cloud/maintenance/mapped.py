@@ -52,7 +52,7 @@ def send_mapped(
         def one(name: str, size: int) -> None:
             key = join_key(src.prefix, name)
             checker = stream_checker(regions.get(name, []), src.url(key))
-            with _mapped(local, key, size) as (view, owner):
+            with _MappedFile(local, key, size) as (view, owner):
                 for start in range(0, size, _CHECK_SLICE):
                     checker.update(view[start : start + _CHECK_SLICE])
                 checker.finish()
@@ -75,8 +75,8 @@ def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: in
             future.result()
 
 
-class _mapped:
-    """``with _mapped(store, key, size) as (view, owner)``: the file's bytes, mapped read-only (empty: no
+class _MappedFile:
+    """``with _MappedFile(store, key, size) as (view, owner)``: the file's bytes, mapped read-only (empty: no
     mapping), and what keeps them alive."""
 
     def __init__(self, store: LocalStore, key: str, size: int) -> None:
