@@ -341,8 +341,10 @@ class Run:
             version = self.saved.get(newest, self.committed.get(newest, (0, 0.0))[0])
             _same(target, _state(self.case, newest, version), f"load of the newest step {newest}")
             return
-        if not steps:
-            assert self.mgr.load(target) is None
+        if not steps:  # none in the object store: with a local tier the newest saved there, else nothing
+            assert self.mgr.load(target) == newest
+            if newest is not None:
+                _same(target, _state(self.case, newest, self.saved[newest]), f"load of the local step {newest}")
             return
         step = steps[-1] if pick == 0 else steps[pick % len(steps)]
         assert self.mgr.load(target, step=None if pick == 0 else step) == step
