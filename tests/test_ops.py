@@ -188,6 +188,35 @@ def test_cp_streams_each_object_under_the_single_put_limit_in_one_put(
     assert all(torch.equal(target[k], v) for k, v in state.items())
 
 
+def test_cp_from_a_directory_whose_files_cannot_be_mapped_streams_them_with_one_warning(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mapping is a fast path: where a filesystem refuses it (ENODEV), the files go through memory."""
+    import errno
+    import mmap
+
+    real = mmap.mmap
+
+    def refuse(fileno: int, *args: Any, **kwargs: Any) -> Any:
+        if fileno == -1:  # anonymous memory (the transfer engine's buffers) maps as ever
+            return real(fileno, *args, **kwargs)
+        raise OSError(errno.ENODEV, "no mappings on this filesystem")
+
+    dcp_cloud.save(_state(), storage_writer=LocalWriter(tmp_path / "src", transfer=dcp_cloud.TransferConfig(
+        max_objects_per_rank=4, part_size=8 * 1024)))  # fmt: skip
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    dst = f"s3://{s3_bucket}/unmapped/step-1"
+    with caplog.at_level("WARNING", logger="dcp_cloud"):
+        report = copy_checkpoint(f"file://{tmp_path}/src", dst)
+    assert report.objects > 1 and report.items_verified == 3
+    warned = [r for r in caplog.records if "cannot be mapped" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    monkeypatch.setattr(mmap, "mmap", real)
+    target = _blank()
+    dcp_cloud.load(target, storage_reader=S3Reader(dst))
+    _assert_loaded(target)
+
+
 def test_cp_of_a_corrupted_directory_to_a_bucket_sends_and_commits_nothing_corrupt(
     moto_server: Any, s3_bucket: str, tmp_path: Path
 ) -> None:

@@ -322,10 +322,11 @@ def _copy_streaming(
 ) -> None:
     """Stream each object through a multipart upload (``parallel``: several objects at once, as many as the
     upload's memory budget holds their parts; one after another otherwise). A local directory's objects go up
-    from their mapped files instead, up to ``concurrency`` at once."""
+    from their mapped files instead, up to ``concurrency`` at once (streamed where a file cannot be mapped)."""
     if is_mapped(src):
-        send_mapped(src, dst, sizes, regions, bar, rename)
-        return
+        sizes = send_mapped(src, dst, sizes, regions, bar, rename)  # what could not be mapped: streamed below
+        if not sizes:
+            return
     with (
         TransferEngine(src.raw, src.transfer, src.retry) as reads,
         TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,

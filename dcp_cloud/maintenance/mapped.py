@@ -7,13 +7,15 @@ A local file needs no such copy: it is mapped, its CRC32C regions checked over t
 itself is the upload's body (lent to the object's writer as a tensor's bytes are in a save: one PUT under
 the single-PUT limit, parts in place above it). The pages are the file's own (page cache, or the tmpfs'
 memory), so objects go up ``concurrency`` at a time, as in a direct save. Local tier files are immutable once
-committed, so the bytes checked are the bytes sent.
+committed, so the bytes checked are the bytes sent. A file that cannot be mapped (a filesystem without
+mappings) is streamed through memory instead, with one warning.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +25,7 @@ from ..store.local import LocalStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
-from .common import _Root
+from .common import _Root, log
 from .progress import Progress
 from .verification import stream_checker
 
@@ -43,29 +45,45 @@ def send_mapped(
     regions: dict[str, Any],
     bar: Progress,
     rename: dict[str, str],
-) -> None:
-    """Upload each of ``sizes``' objects from its mapped file, checked first; up to ``concurrency`` at once."""
+) -> dict[str, int]:
+    """Upload each of ``sizes``' objects from its mapped file, checked first; up to ``concurrency`` at once.
+    Returns the objects whose file could not be mapped (a filesystem without mappings, say), with one warning:
+    the caller streams them instead."""
     assert isinstance(src.raw, LocalStore)
     local: LocalStore = src.raw
+    unmapped: dict[str, int] = {}
+    lock = threading.Lock()
     with TransferEngine(dst.raw, dst.transfer, dst.retry) as writes:
 
         def one(name: str, size: int) -> None:
             key = join_key(src.prefix, name)
             checker = stream_checker(regions.get(name, []), src.url(key))
-            with _MappedFile(local, key, size) as (view, owner):
+            try:
+                mapping = _map(local, key, size)
+            except _UnmappableError as exc:
+                with lock:
+                    if not unmapped:
+                        log.warning("%s cannot be mapped (%s): copied through memory instead", src.url(key), exc)
+                    unmapped[name] = size
+                return
+            view = memoryview(mapping) if mapping is not None else memoryview(b"")
+            try:
                 for start in range(0, size, _CHECK_SLICE):
                     checker.update(view[start : start + _CHECK_SLICE])
                 checker.finish()
                 writer = open_writer(writes, f"{dst.prefix}/{rename[name]}", size)
                 try:
-                    writer.write_view(view, owner)
+                    writer.write_view(view, mapping)
                     writer.commit()
                 except BaseException:
                     writer.abort()
                     raise
+            finally:
+                _unmap(view, mapping)
             bar.advance(size)
 
         _run_all(sizes, one, dst.transfer.concurrency)
+    return unmapped
 
 
 def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: int) -> None:
@@ -75,44 +93,44 @@ def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: in
             future.result()
 
 
-class _MappedFile:
-    """``with _MappedFile(store, key, size) as (view, owner)``: the file's bytes, mapped read-only (empty: no
-    mapping), and what keeps them alive."""
+class _UnmappableError(Exception):
+    """The file exists and has its size, but cannot be mapped."""
 
-    def __init__(self, store: LocalStore, key: str, size: int) -> None:
-        self._store, self._key, self._size = store, key, size
-        self._map: mmap.mmap | None = None
-        self._view: memoryview | None = None
 
-    def __enter__(self) -> tuple[memoryview, Any]:
-        path = self._store._path(self._key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "read") from exc
+def _map(store: LocalStore, key: str, size: int) -> mmap.mmap | None:
+    """``key``'s file mapped read-only (None: empty); CorruptCheckpointError where its size is not ``size``."""
+    path = store._path(key)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise store._error(exc, key, "read") from exc
+    try:
         try:
             actual = os.fstat(fd).st_size
-            if actual != self._size:
-                raise CorruptCheckpointError(
-                    f"{self._store.url(self._key)} has {actual} bytes where {self._size} were expected "
-                    "(the object is truncated or does not belong to this checkpoint)"
-                )
-            if self._size:
-                self._map = mmap.mmap(fd, self._size, prot=mmap.PROT_READ)
-                if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
-                    self._map.madvise(mmap.MADV_SEQUENTIAL)
         except OSError as exc:
-            raise self._store._error(exc, self._key, "read") from exc
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        return self._view, self._map
-
-    def __exit__(self, *exc: object) -> None:
+            raise store._error(exc, key, "read") from exc
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"{store.url(key)} has {actual} bytes where {size} were expected "
+                "(the object is truncated or does not belong to this checkpoint)"
+            )
+        if not size:
+            return None
         try:
-            if self._view is not None:
-                self._view.release()
-            if self._map is not None:
-                self._map.close()
-        except BufferError:  # a slice still referenced (an aborted part's body): the mapping goes with it
-            pass
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise _UnmappableError(str(exc)) from exc
+        if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+            mapping.madvise(mmap.MADV_SEQUENTIAL)
+        return mapping
+    finally:
+        os.close(fd)
+
+
+def _unmap(view: memoryview, mapping: mmap.mmap | None) -> None:
+    try:
+        view.release()
+        if mapping is not None:
+            mapping.close()
+    except BufferError:  # a slice still referenced (an aborted part's body): the mapping goes with it
+        pass
