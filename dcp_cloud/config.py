@@ -55,6 +55,20 @@ def default_concurrency() -> int:
     return max(SHARED_CONCURRENCY, min(ALONE_CONCURRENCY, -(-HOST_CONCURRENCY // ranks)))
 
 
+def cpu_share() -> int:
+    """This rank's share of the CPUs it may run on: those of its affinity mask over torchrun's
+    ``LOCAL_WORLD_SIZE`` (the ranks sharing the host), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        ranks = 1
+    return max(1, cpus // ranks)
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

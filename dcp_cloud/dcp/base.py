@@ -90,9 +90,9 @@ class CloudBase:
     #: ``TransferEngine(read_burst=...)`` of this side's engine: readers run more small reads at once.
     _read_burst = 1
 
-    def _engine(self) -> TransferEngine:
+    def _engine(self, transfer: TransferConfig | None = None) -> TransferEngine:
         return TransferEngine(
-            self.store, self.transfer, self.retry, recorder=self._recorder, read_burst=self._read_burst
+            self.store, transfer or self.transfer, self.retry, recorder=self._recorder, read_burst=self._read_burst
         )
 
     def _set_uri(self, checkpoint_id: str | os.PathLike[str]) -> None:

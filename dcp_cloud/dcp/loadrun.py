@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from itertools import groupby
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
 from ..errors import CorruptCheckpointError, DcpCloudError
+from ..store.localfs import take_views
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .chunks import ChunkIndex
@@ -65,6 +67,10 @@ from .staging import StagingConfig
 from .torchprivate import pickles_tensor_metadata
 
 log = logging.getLogger("dcp_cloud")
+
+#: Bytes a load from a store with no round trips (a local directory) reads before it checks them: while
+#: they are still in the CPU's cache (about 1.3x faster on 1 GiB from tmpfs than checking whole requests).
+CHECK_STEP = 1024 * 1024
 
 
 @dataclass
@@ -127,6 +133,9 @@ class LoadRun:
         #: Device bytes of the request being built: their copies to make when it lands, and their lease.
         self._b_moves: list[Move] = []
         self._b_lease = 0
+        #: Whether requests check their bytes step by step as they are read (see _stages): where a request
+        #: costs no round trip.
+        self.stepped = bool(getattr(engine.store, "instant_requests", False))
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -442,6 +451,27 @@ class LoadRun:
             outs.append(discard[:n])
             gap -= n
 
+    def _stages(
+        self, key: str, start: int, checks: list[tuple[LoadItem, int, list[memoryview]]]
+    ) -> list[tuple[int, Callable[[], None]]]:
+        """The checks of a request cut into steps of about :data:`CHECK_STEP` whole blocks, each run as soon as
+        the read reaches its end (see ``TransferEngine.read_at``): bytes checked while still in the CPU's
+        cache instead of read back from memory after the whole request."""
+        stages: list[tuple[int, Callable[[], None]]] = []
+        verify = self.verifier.check_item
+        for item, at, views in checks:
+            block = item.extras.block_size
+            if not (item.verify and block):
+                continue
+            step = max(block, CHECK_STEP // block * block)
+            pending = deque(views)
+            total = sum(len(v) for v in views)
+            for pos in range(0, total, step):
+                size = min(step, total - pos)
+                part = take_views(pending, size)
+                stages.append((at + pos + size - start, partial(verify, key, item, at + pos, part)))
+        return stages
+
     def _send(self, carry: bool = False) -> None:
         """Send the request being built; with ``carry`` (it is complete), with the footer waiting to ride on
         it as its tail. A request sent early (a lease ran short) sends the footer's own GET first."""
@@ -468,6 +498,10 @@ class LoadRun:
             end = rider.end
         what = f"bytes {start}..{end} of {self._b_url}"
         deferred: list[tuple[LoadItem, int, list[memoryview]]] = []
+        stages: list[tuple[int, Callable[[], None]]] = []
+        if self.stepped and rider is None and checks and not any(isinstance(e[0].extras, Guess) for e in checks):
+            stages = self._stages(key, start, checks)
+            checks = []
 
         def check(offset: int, views: list[memoryview]) -> None:
             if rider is not None and tail is not None:
@@ -493,7 +527,9 @@ class LoadRun:
             for item in done:
                 self._finish_item(item)
 
-        future = self.engine.read_at(key, start, outs, check=check if checks or rider is not None else None)
+        future = self.engine.read_at(
+            key, start, outs, check=check if checks or rider is not None else None, stages=stages
+        )
         if rider is not None:
             rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
         self.pending.append(_Pending([future], finish, lease, what))

@@ -268,9 +268,9 @@ class CloudReader(CloudBase, StorageReader):
             sizes: dict[str, int] = {}
             for info, req in records:
                 sizes[info.relative_path] = sizes.get(info.relative_path, 0) + self._wanted_bytes(req, info)
-            t = self.transfer
+            t = self._read_transfer()
             chunk = request_size(list(sizes.values()) or [0], self._world(), t.concurrency, t.read_chunk_size)
-            with self._engine() as engine:
+            with self._engine(t) as engine:
                 run = LoadRun(engine, planner, t, self._chunks, self._recorder, self.checkpoint_id, chunk, self.staging)
                 try:
                     exchanging = schedule is not None
@@ -297,6 +297,14 @@ class CloudReader(CloudBase, StorageReader):
         fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)
         return fut
+
+    def _read_transfer(self) -> TransferConfig:
+        """``transfer`` with ``concurrency`` cut to the store's ``read_workers`` where it has them (a local
+        filesystem: reads bound by the CPU)."""
+        workers = getattr(self.store, "read_workers", None)
+        if workers is None or workers >= self.transfer.concurrency:
+            return self.transfer
+        return replace(self.transfer, concurrency=workers)
 
     def _read_own(self, run: LoadRun, records: list[tuple[Any, ReadItem]]) -> None:
         try:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..config import cpu_share
 from ..errors import ConfigError
 from .devicering import PinCapError, cuda_paths_on, degrade, device_path, free_rings, moving, pin_tensor, plain, routed
 from .pinledger import LEDGER, default_cap
@@ -146,15 +146,7 @@ MAX_COPY_THREADS = 16
 def default_copy_threads() -> int:
     """This rank's share of the CPUs it may run on (torchrun's ``LOCAL_WORLD_SIZE`` ranks share the host),
     between 1 and :data:`MAX_COPY_THREADS`."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    except ValueError:
-        ranks = 1
-    return max(1, min(MAX_COPY_THREADS, cpus // ranks))
+    return min(MAX_COPY_THREADS, cpu_share())
 
 
 def async_save_takes_futures() -> bool:

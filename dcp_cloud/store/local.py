@@ -22,14 +22,17 @@ cannot both exist here.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from ..config import cpu_share
 from ..errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -41,7 +44,18 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .localfs import advance, append_file, fsync_dir, link_noreplace, preadv, pwrite_all, write_all
+from .localfs import (
+    LOCAL_FILESYSTEMS,
+    advance,
+    append_file,
+    filesystem_type,
+    fsync_dir,
+    link_noreplace,
+    preadv,
+    pwrite_all,
+    take_views,
+    write_all,
+)
 from .payload import Payload, payload_size, payload_views
 from .payload import out_view as _out_view
 from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
@@ -87,6 +101,17 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.bucket!r})"
+
+    @functools.cached_property
+    def read_workers(self) -> int | None:
+        """Most reads worth running at once, where a read is a copy bound by the CPU (a local filesystem):
+        this rank's share of the CPUs, at least 2 (one reads while the other checks); None (no cap) on a
+        network filesystem, whose reads wait on round trips. On 2 CPUs, 2 workers read 1 GiB from tmpfs
+        1.3x as fast as 16, which spend the time switching and evicting each other's bytes from the cache
+        before they are checked."""
+        if filesystem_type(self.root) not in LOCAL_FILESYSTEMS:
+            return None
+        return max(2, cpu_share())
 
     def url(self, key: str) -> str:
         return f"file://{self.root.as_posix().rstrip('/')}/{key}"
@@ -222,7 +247,12 @@ class LocalStore:
             raise self._error(exc, source_key if not source.exists() else key, "copy") from exc
         return ObjectInfo(key, final.stat().st_size, str(mtime), mtime / 1e9)
 
-    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+    def read_into(
+        self, key: str, start: int, outs: Sequence[memoryview], stages: Sequence[tuple[int, Callable[[], None]]] = ()
+    ) -> None:
+        """As every store's; ``stages``: ``(end, fn)`` pairs in order of ``end`` (offsets into ``outs``): the
+        read stops at each ``end`` to call ``fn`` (which checks the bytes read so far while they are still in
+        the CPU's cache) before it goes on."""
         views = [_out_view(o) for o in outs]
         total = sum(len(v) for v in views)
         if total == 0:
@@ -239,18 +269,25 @@ class LocalStore:
                     f"{self.url(key)} has {size} bytes; bytes {start}..{start + total} were asked for "
                     "(the object is truncated or does not belong to this checkpoint)"
                 )
+            left = deque(v for v in views if len(v))
             pos = start
-            pending = [v for v in views if len(v)]
-            while pending:
-                n = preadv(fd, pending, pos)
-                if n == 0:
-                    raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
-                pos += n
-                advance(pending, n)
+            for end, fn in stages:
+                pos = self._pread_all(fd, key, take_views(left, start + end - pos), pos)
+                fn()
+            self._pread_all(fd, key, list(left), pos)
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
         finally:
             os.close(fd)
+
+    def _pread_all(self, fd: int, key: str, pending: list[memoryview], pos: int) -> int:
+        while pending:
+            n = preadv(fd, pending, pos)
+            if n == 0:
+                raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
+            pos += n
+            advance(pending, n)
+        return pos
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

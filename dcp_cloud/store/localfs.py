@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,48 @@ def advance(pending: list[memoryview], n: int) -> None:
         else:
             pending[0] = pending[0][n:]
             n = 0
+
+
+#: Filesystems on a local device or in memory: a read is a copy from the page cache or a local disk, bound by
+#: the CPU (or the device), with no round trip to wait out (unlike NFS, Lustre, FUSE mounts).
+LOCAL_FILESYSTEMS = frozenset(
+    {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "overlay"}
+)
+
+
+def filesystem_type(path: str | os.PathLike[str], mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem holding ``path`` (its mount in ``mounts``); None where unknown."""
+    try:
+        real = os.path.realpath(path)
+        with open(mounts, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040: a space
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= best:  # the deepest mount; a later one over the same point hides earlier
+            best, kind = len(mount), fields[2]
+    return kind
+
+
+def take_views(pending: deque[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``pending`` as views (sliced, never copied), dropped from it."""
+    out = []
+    while n and pending:
+        view = pending[0]
+        if len(view) <= n:
+            out.append(pending.popleft())
+            n -= len(view)
+        else:
+            out.append(view[:n])
+            pending[0] = view[n:]
+            n = 0
+    return out
 
 
 def preadv(fd: int, views: list[memoryview], pos: int) -> int:

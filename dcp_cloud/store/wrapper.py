@@ -52,8 +52,14 @@ class StoreWrapper:
     def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
 
-    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
-        self._call("read", lambda: self.inner.read_into(key, start, outs))
+    def read_into(
+        self, key: str, start: int, outs: Sequence[memoryview], stages: Sequence[tuple[int, Callable[[], None]]] = ()
+    ) -> None:
+        """``stages`` only where ``instant_requests`` (see ``LocalStore.read_into``)."""
+        if stages:
+            self._call("read", lambda: self.inner.read_into(key, start, outs, stages))  # type: ignore[call-arg]
+        else:
+            self._call("read", lambda: self.inner.read_into(key, start, outs))
 
     def get(self, key: str) -> bytes:
         return self._call("get", lambda: self.inner.get(key))

@@ -186,12 +186,15 @@ class TransferEngine:
         outs: Sequence[memoryview],
         *,
         check: Callable[[int, list[memoryview]], None] | None = None,
+        stages: Sequence[tuple[int, Callable[[], None]]] = (),
     ) -> Future[None]:
         """Scatter-read ``key`` from ``start`` into ``outs`` with exactly one request (the caller sized it).
 
-        ``check`` is called as for :meth:`read` (offset 0, all of ``outs``).
+        ``check`` is called as for :meth:`read` (offset 0, all of ``outs``). ``stages`` (only where the store
+        has ``instant_requests``): ``(end, fn)`` pairs, in order of ``end`` (offsets into ``outs``); the read
+        stops at each ``end`` to call ``fn`` before it goes on.
         """
-        return self.submit(self._read_piece, key, start, list(outs), 0, check)
+        return self.submit(self._read_piece, key, start, list(outs), 0, check, stages)
 
     def _read_piece(
         self,
@@ -200,15 +203,16 @@ class TransferEngine:
         outs: list[memoryview],
         offset: int,
         check: Callable[[int, list[memoryview]], None] | None,
+        stages: Sequence[tuple[int, Callable[[], None]]] = (),
     ) -> None:
         nbytes = sum(len(o) for o in outs)
         gate = self.gate
         if gate is None:
-            self.store.read_into(key, start, outs)
+            self.store.read_into(key, start, outs, stages)
         else:
             gate.enter(nbytes)
             try:
-                self.store.read_into(key, start, outs)
+                self.store.read_into(key, start, outs, stages)
             finally:
                 gate.leave(nbytes)
         self.recorder.add_read(nbytes)
