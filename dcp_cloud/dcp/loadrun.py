@@ -454,16 +454,16 @@ class LoadRun:
     def _stages(
         self, key: str, start: int, checks: list[tuple[LoadItem, int, list[memoryview]]]
     ) -> list[tuple[int, Callable[[], None]]]:
-        """The checks of a request cut into steps of about :data:`CHECK_STEP` whole blocks, each run as soon as
-        the read reaches its end (see ``TransferEngine.read_at``): bytes checked while still in the CPU's
-        cache instead of read back from memory after the whole request."""
+        """The checks of a request cut into steps of whole blocks, about :data:`CHECK_STEP` or a quarter of a
+        request if less, each run as soon as the read reaches its end (see ``TransferEngine.read_at``): bytes
+        checked while still in the CPU's cache instead of read back from memory after the whole request."""
         stages: list[tuple[int, Callable[[], None]]] = []
         verify = self.verifier.check_item
         for item, at, views in checks:
             block = item.extras.block_size
             if not (item.verify and block):
                 continue
-            step = max(block, CHECK_STEP // block * block)
+            step = max(block, min(CHECK_STEP, self.chunk // 4) // block * block)
             pending = deque(views)
             total = sum(len(v) for v in views)
             for pos in range(0, total, step):
