@@ -133,9 +133,9 @@ class LoadRun:
         #: Device bytes of the request being built: their copies to make when it lands, and their lease.
         self._b_moves: list[Move] = []
         self._b_lease = 0
-        #: Whether requests check their bytes step by step as they are read (see _stages): where a request
-        #: costs no round trip.
-        self.stepped = bool(getattr(engine.store, "instant_requests", False))
+        #: Whether requests check their bytes step by step as they are read (see _stages): where the store
+        #: reads in stages (a local directory).
+        self.stepped = bool(getattr(engine.store, "staged_reads", False))
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:

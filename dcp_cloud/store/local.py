@@ -90,6 +90,8 @@ class LocalStore:
     scheme = "file"
     #: A request costs no round trip: readers fetch index footers before the data rather than guess them.
     instant_requests = True
+    #: ``read_into`` takes ``stages``: a load checks its bytes step by step as they are read.
+    staged_reads = True
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         if not str(root):

@@ -31,6 +31,11 @@ class StoreWrapper:
         self.positional_parts: bool = bool(getattr(inner, "positional_parts", False))
         #: Whether a request of ``inner`` costs no round trip (a local file; see ``LocalStore``).
         self.instant_requests: bool = bool(getattr(inner, "instant_requests", False))
+        #: Whether ``read_into`` takes ``stages`` (see ``LocalStore.read_into``): where ``inner``'s does and this
+        #: wrapper's passes them through (a wrapper that does something to the bytes read does not).
+        self.staged_reads: bool = bool(getattr(inner, "staged_reads", False)) and (
+            type(self).read_into is StoreWrapper.read_into
+        )
         #: Whether a completed upload may leave parts behind that an abort must release (GCS composites);
         #: stores that do not say so are swept.
         self.sweeps_after_complete: bool = bool(getattr(inner, "sweeps_after_complete", True))
@@ -55,7 +60,7 @@ class StoreWrapper:
     def read_into(
         self, key: str, start: int, outs: Sequence[memoryview], stages: Sequence[tuple[int, Callable[[], None]]] = ()
     ) -> None:
-        """``stages`` only where ``instant_requests`` (see ``LocalStore.read_into``)."""
+        """``stages`` only where :attr:`staged_reads`."""
         if stages:
             self._call("read", lambda: self.inner.read_into(key, start, outs, stages))  # type: ignore[call-arg]
         else:

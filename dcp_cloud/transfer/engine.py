@@ -191,7 +191,7 @@ class TransferEngine:
         """Scatter-read ``key`` from ``start`` into ``outs`` with exactly one request (the caller sized it).
 
         ``check`` is called as for :meth:`read` (offset 0, all of ``outs``). ``stages`` (only where the store
-        has ``instant_requests``): ``(end, fn)`` pairs, in order of ``end`` (offsets into ``outs``); the read
+        has ``staged_reads``): ``(end, fn)`` pairs, in order of ``end`` (offsets into ``outs``); the read
         stops at each ``end`` to call ``fn`` before it goes on.
         """
         return self.submit(self._read_piece, key, start, list(outs), 0, check, stages)
@@ -208,13 +208,21 @@ class TransferEngine:
         nbytes = sum(len(o) for o in outs)
         gate = self.gate
         if gate is None:
-            self.store.read_into(key, start, outs, stages)
+            self._read(key, start, outs, stages)
         else:
             gate.enter(nbytes)
             try:
-                self.store.read_into(key, start, outs, stages)
+                self._read(key, start, outs, stages)
             finally:
                 gate.leave(nbytes)
         self.recorder.add_read(nbytes)
         if check is not None:
             check(offset, outs)
+
+    def _read(
+        self, key: str, start: int, outs: list[memoryview], stages: Sequence[tuple[int, Callable[[], None]]]
+    ) -> None:
+        if stages:
+            self.store.read_into(key, start, outs, stages)
+        else:
+            self.store.read_into(key, start, outs)
