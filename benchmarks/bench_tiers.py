@@ -10,11 +10,15 @@ Every client reaches s3rver through one shaping proxy (``--latency-ms`` each way
 Every measurement runs in fresh processes. Figures:
 
 1. **restart load**: one process loads the newest step into a zeroed state dict, four ways, each a fresh
-   process (order rotated each round): a tiered manager's ``load()`` (from the local tier: the step's
-   directory on ``--local-dir``), a plain ``LocalReader`` ``dcp.load`` of that same directory, a plain
-   ``S3Reader`` ``dcp.load`` of the same step drained to the object store, and a manager without ``local=``
-   loading the same run root. Ratios: the object store's seconds over the tier's (target >= 5x) and
-   ``LocalReader``'s over the tier's (target >= 0.8x). Every load is checked bitwise after the clock.
+   process (order rotated each round), the clock on ``load()``. Each makes its manager or reader first, as
+   a training script does at its start, then builds the model (the zeroed state dict, then
+   ``--build-seconds``, default 0.5 s; a real model takes longer) beside whatever the constructor started
+   (the manager's listing of the root, a reader's ``.metadata``). The four: a tiered manager's ``load()``
+   (from the local tier: the step's directory on ``--local-dir``), a plain ``LocalReader`` ``dcp.load`` of
+   that same directory, a plain ``S3Reader`` ``dcp.load`` of the same step drained to the object store, and
+   a manager without ``local=`` loading the same run root. Ratios: the object store's seconds over the
+   tier's (target >= 5x) and ``LocalReader``'s over the tier's (target >= 0.8x). Every load is checked
+   bitwise after the clock.
 2. **save stall**: the wall time of ``async_save`` (what training waits for) of a tiered manager against a
    manager without ``local=`` on the same kind of root (both ``incremental=False``: the local tier never
    saves incrementally, so both do the same work; ``retention=RetentionPolicy(keep_last=2)``), medians over
@@ -161,19 +165,24 @@ def load_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     contender = spec["contender"]
+    # Made first, as a training script makes them at its start; then the model is built (the zeroed state and
+    # --build-seconds), beside whatever each started (the manager's listing, a reader's .metadata); then the clock.
+    mgr = reader = None
+    if contender in ("tiered manager", "manager, no local="):
+        local = _tier(spec, spec["local"]) if contender == "tiered manager" else None
+        mgr = dcp_cloud.CheckpointManager(spec["root"], local=local)
+    elif contender == "LocalReader":
+        reader = dcp_cloud.LocalReader(spec["step_dir"])
+    else:
+        reader = dcp_cloud.S3Reader(spec["step_uri"])
     state = C.make_state_dict(spec["mb"], spec["tensors"], fill="zeros")
+    time.sleep(spec["build_s"])
     probe = C.PeakProbe()
     probe.start()
     extra: dict[str, Any] = {}
-    mgr = None
-    if contender in ("tiered manager", "manager, no local="):  # built off the clock (no I/O until load())
-        local = _tier(spec, spec["local"]) if contender == "tiered manager" else None
-        mgr = dcp_cloud.CheckpointManager(spec["root"], local=local)
     t0 = time.perf_counter()
-    if contender == "LocalReader":
-        dcp.load(state, storage_reader=dcp_cloud.LocalReader(spec["step_dir"]))
-    elif contender == "S3Reader":
-        dcp.load(state, storage_reader=dcp_cloud.S3Reader(spec["step_uri"]))
+    if mgr is None:
+        dcp.load(state, storage_reader=reader)
     else:
         extra["loaded_step"] = mgr.load(state)
     seconds = time.perf_counter() - t0
@@ -294,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the simulated nodes' local tiers live (default /dev/shm: tmpfs)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="s3rver's data directory's parent (default: the temp dir)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--build-seconds", type=float, default=0.5,
+                   help="restart loads: seconds between making the manager or reader and load() (default 0.5)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900, help="seconds per process (default 900)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: loads, saves, nodes")
     p.add_argument("--json", default=C.default_results_path("tiers.json"))
@@ -332,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     result["proxy_cpu_s"] = sum(os.times()[:2]) - here0  # the proxy's threads (this process)
                 return result
 
-            common = {"mb": args.mb, "tensors": args.tensors, "threads": args.threads, "timeout": args.timeout}
+            common = {"mb": args.mb, "tensors": args.tensors, "threads": args.threads, "timeout": args.timeout,
+                      "build_s": args.build_seconds}  # fmt: skip
             newest: dict[str, Any] = {}
             # ---- figures 2 and 3: saves (and the drained step the loads read)
             for rnd in range(args.rounds if "saves" not in skip else 0):

@@ -112,6 +112,43 @@ def test_resume_from_nothing_then_save_load_and_find_steps(run_root: Path) -> No
     again.close()
 
 
+def test_a_restarted_job_lists_the_root_while_its_model_is_built(run_root: Path) -> None:
+    with CheckpointManager(str(run_root)) as mgr:
+        mgr.save(1, state_at(1))
+    again = CheckpointManager(str(run_root))  # rank 0 starts listing now, not at its first question
+    deadline = time.monotonic() + 10
+    while not again.requests and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert again.requests == {"list": 1}, "the listing started when the manager was made"
+    target = empty_state()
+    assert again.load(target) == 1 and again.requests["list"] == 1, "the load waited for that listing"
+    same(target, state_at(1))
+    again.close()
+
+
+def test_commits_made_while_the_first_listing_runs_stay_in_the_view() -> None:
+    import threading
+
+    from dcp_cloud.run.catalog import Directory, Listing
+    from dcp_cloud.run.view import View
+
+    release = threading.Event()
+
+    class SlowCatalog:
+        def list(self) -> Listing:
+            release.wait(10)
+            return Listing(steps={1: Directory("step-1", 1)})
+
+        def key(self, name: str, inside: str) -> str:
+            return f"{name}/{inside}"
+
+    view = View(lambda: SlowCatalog(), "root")  # type: ignore[arg-type, return-value]
+    view.start_listing()
+    view.committed(2, "step-2")  # a save that committed while the listing was on its way
+    release.set()
+    assert sorted(view.current()) == [1, 2]
+
+
 def test_async_saves_one_in_flight_then_retention_keeps_the_incremental_base(run_root: Path) -> None:
     mgr = CheckpointManager(str(run_root), retention=RetentionPolicy(keep_last=2))
     handles = [mgr.async_save(step, state_at(step), metadata={"step": step}) for step in range(1, 7)]
@@ -207,7 +244,7 @@ def test_a_root_that_is_a_checkpoint_is_not_a_run(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state_at(1), storage_writer=LocalWriter(str(tmp_path / "ckpt")))
-    mgr = CheckpointManager(str(tmp_path / "ckpt"))
+    mgr = CheckpointManager(str(tmp_path / "ckpt"))  # its first listing, begun here, raises at the first question
     with pytest.raises(NotARunError, match="itself a checkpoint"):
         mgr.latest_step()
     with pytest.raises(NotARunError):
@@ -356,7 +393,8 @@ def test_two_managers_racing_on_one_step(run_root: Path) -> None:
     first = CheckpointManager(str(run_root))
     second = CheckpointManager(str(run_root))
     first.save(1, state_at(1))
-    assert second.latest_step() == 1
+    assert second.latest_step() is None, "second answers from its listing, made when it was"
+    assert second.latest_step(refresh=True) == 1
     first.save(2, state_at(2))  # second has not seen this one
     with pytest.raises(StepExistsError, match="another job"):
         second.save(2, state_at(22))

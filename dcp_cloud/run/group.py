@@ -16,6 +16,7 @@ needs a group with a CPU backend even where training runs on NCCL.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -104,6 +105,13 @@ class Groups:
         if not self.active:
             return 0
         return int(dist.get_rank(self.user)) if self.user is not None else int(dist.get_rank())
+
+    def leads(self) -> bool:
+        """Whether this process is the group's rank 0; before torch.distributed is up, whether torchrun's
+        ``RANK`` says so (or there is none: a process alone)."""
+        if dist.is_available() and dist.is_initialized():
+            return self.rank() == 0
+        return os.environ.get("RANK", "0") == "0"
 
     def size(self) -> int:
         if not self.active:

@@ -123,6 +123,8 @@ class CheckpointManager:
         self.local = local
         self._groups = Groups(process_group, tiers=local is not None)
         self._start_runtime()
+        if self._groups.leads():
+            self._view.start_listing()  # while the model is built: a restart's load waits for no round trip
 
     def _start_runtime(self) -> None:
         #: Rank 0's view of the committed steps (rank 0 only lists; the other ranks hear its answers).
@@ -201,8 +203,8 @@ class CheckpointManager:
         return gathered[0][1]
 
     def steps(self, *, refresh: bool = False) -> list[int]:
-        """The committed steps, oldest first. The first call lists the root (rank 0; later calls answer from
-        what the manager saw and did since; ``refresh=True`` lists again)."""
+        """The committed steps, oldest first, as rank 0 listed them when the manager was made, with what the
+        manager did since (``refresh=True`` lists again)."""
         self._check_open()
         if self._tiers is not None:
             view = self._tiers.tiers.gather()
@@ -458,8 +460,8 @@ class CheckpointManager:
 
         ``state`` is what ``dcp.load`` takes (model and optimizer state dicts, ``Stateful`` objects). While it
         loads, a lease in the root keeps every job's retention away from that step. The newest step is the
-        newest this manager knows of (its first call lists the root); ``refresh=True`` lists again, for a job
-        that follows another job's run.
+        newest this manager knows of (rank 0 lists the root when it is made); ``refresh=True`` lists again, for a
+        job that follows another job's run.
         """
         self._check_open()
         if self._tiers is not None:
