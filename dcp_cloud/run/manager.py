@@ -11,7 +11,6 @@ from ..dcp.backend import Backend
 from ..dcp.staging import StagingConfig
 from ..errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     ConfigError,
     DcpCloudError,
     StepExistsError,
@@ -253,16 +252,7 @@ class CheckpointManager:
 
     def _directory_of(self, step: int) -> Directory:
         """The directory of committed ``step`` (rank 0); CheckpointNotFoundError naming the steps there are."""
-        view = self._view.current()
-        if step not in view:
-            view = self._view.current(refresh=True)  # another job may have committed it since
-        if step not in view:
-            have = sorted(view)
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed step of {self.root}; committed: "
-                f"{have[-10:] if have else 'none'}{' (the last 10)' if len(have) > 10 else ''}"
-            )
-        return view[step]
+        return self._view.directory_of(step)
 
     # -- save -----------------------------------------------------------------------
     def save(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ..dcp.layout import METADATA_NAME
-from ..errors import NotARunError
+from ..errors import CheckpointNotFoundError, NotARunError
 from ..store.protocol import ObjectInfo
 from .catalog import Catalog, Directory, Listing
 
@@ -92,6 +92,19 @@ class View:
         if pending is not None and not refresh:
             return self._apply(*pending.result())
         return self.relist()
+
+    def directory_of(self, step: int) -> Directory:
+        """The directory of committed ``step``; CheckpointNotFoundError naming the steps there are."""
+        view = self.current()
+        if step not in view:
+            view = self.current(refresh=True)  # another job may have committed it since
+        if step not in view:
+            have = sorted(view)
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed step of {self._root}; committed: "
+                f"{have[-10:] if have else 'none'}{' (the last 10)' if len(have) > 10 else ''}"
+            )
+        return view[step]
 
     @property
     def seq(self) -> int:
