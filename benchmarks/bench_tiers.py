@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="s3rver's data directory's parent (default: the temp dir)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--build-seconds", type=float, default=0.5,
-                   help="restart loads: seconds between making the manager or reader and load() (default 0.5)")  # fmt: skip
+                   help="restart loads: seconds from making the manager or reader to load() (default 0.5)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900, help="seconds per process (default 900)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: loads, saves, nodes")
     p.add_argument("--json", default=C.default_results_path("tiers.json"))
