@@ -22,7 +22,6 @@ cannot both exist here.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 import shutil
@@ -104,13 +103,14 @@ class LocalStore:
     def __repr__(self) -> str:
         return f"LocalStore({self.bucket!r})"
 
-    @functools.cached_property
+    @property
     def read_workers(self) -> int | None:
         """Most reads worth running at once, where a read is a copy bound by the CPU (a local filesystem):
         this rank's share of the CPUs, at least 2 (one reads while the other checks); None (no cap) on a
         network filesystem, whose reads wait on round trips. On 2 CPUs, 2 workers read 1 GiB from tmpfs
         1.3x as fast as 16, which spend the time switching and evicting each other's bytes from the cache
-        before they are checked."""
+        before they are checked. Asked once per load (a read of the mount table), never kept: a pickled
+        store may load on another host."""
         if filesystem_type(self.root) not in LOCAL_FILESYSTEMS:
             return None
         return max(2, cpu_share())
