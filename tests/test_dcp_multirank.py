@@ -287,7 +287,7 @@ def _retry_with_the_same_readers(rank: int, world_size: int, name: str, uri: str
     if rank == 1:
         original = CloudReader._engine
 
-        def fails_once(self: Any) -> Any:
+        def fails_once(self: Any, *args: Any) -> Any:
             CloudReader._engine = original  # type: ignore[method-assign]
             raise RuntimeError("can't start new thread")
 
