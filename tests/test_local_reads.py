@@ -14,8 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_cloud import ChecksumMismatchError, LocalReader, LocalWriter, TransferConfig
 from dcp_cloud.config import cpu_share
-from dcp_cloud.dcp import loadrun
-from dcp_cloud.dcp.readcheck import ReadVerifier
+from dcp_cloud.dcp.readcheck import CHECK_STEP, ReadVerifier
 from dcp_cloud.store.local import LocalStore
 from dcp_cloud.store.localfs import LOCAL_FILESYSTEMS, filesystem_type
 
@@ -61,7 +60,7 @@ def test_a_local_load_checks_its_bytes_a_step_at_a_time(tmp_path: Path, monkeypa
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(dest, storage_reader=LocalReader(tmp_path / "ckpt"))
     assert all(torch.equal(dest[k], state[k]) for k in state)
-    assert max(checked) <= loadrun.CHECK_STEP, "the 4 MiB tensor is checked in steps, not whole after its read"
+    assert max(checked) <= CHECK_STEP, "the 4 MiB tensor is checked in steps, not whole after its read"
     assert sum(checked) >= 4 * MiB + 400, "every byte loaded was checked"
 
 

@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from itertools import groupby
 from typing import Any
 
@@ -49,7 +48,6 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
 from ..errors import CorruptCheckpointError, DcpCloudError
-from ..store.localfs import take_views
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .chunks import ChunkIndex
@@ -67,10 +65,6 @@ from .staging import StagingConfig
 from .torchprivate import pickles_tensor_metadata
 
 log = logging.getLogger("dcp_cloud")
-
-#: Bytes a load from a store with no round trips (a local directory) reads before it checks them: while
-#: they are still in the CPU's cache (about 1.3x faster on 1 GiB from tmpfs than checking whole requests).
-CHECK_STEP = 1024 * 1024
 
 
 @dataclass
@@ -451,27 +445,6 @@ class LoadRun:
             outs.append(discard[:n])
             gap -= n
 
-    def _stages(
-        self, key: str, start: int, checks: list[tuple[LoadItem, int, list[memoryview]]]
-    ) -> list[tuple[int, Callable[[], None]]]:
-        """The checks of a request cut into steps of whole blocks, about :data:`CHECK_STEP` or a quarter of a
-        request if less, each run as soon as the read reaches its end (see ``TransferEngine.read_at``): bytes
-        checked while still in the CPU's cache instead of read back from memory after the whole request."""
-        stages: list[tuple[int, Callable[[], None]]] = []
-        verify = self.verifier.check_item
-        for item, at, views in checks:
-            block = item.extras.block_size
-            if not (item.verify and block):
-                continue
-            step = max(block, min(CHECK_STEP, self.chunk // 4) // block * block)
-            pending = deque(views)
-            total = sum(len(v) for v in views)
-            for pos in range(0, total, step):
-                size = min(step, total - pos)
-                part = take_views(pending, size)
-                stages.append((at + pos + size - start, partial(verify, key, item, at + pos, part)))
-        return stages
-
     def _send(self, carry: bool = False) -> None:
         """Send the request being built; with ``carry`` (it is complete), with the footer waiting to ride on
         it as its tail. A request sent early (a lease ran short) sends the footer's own GET first."""
@@ -500,7 +473,7 @@ class LoadRun:
         deferred: list[tuple[LoadItem, int, list[memoryview]]] = []
         stages: list[tuple[int, Callable[[], None]]] = []
         if self.stepped and rider is None and checks and not any(isinstance(e[0].extras, Guess) for e in checks):
-            stages = self._stages(key, start, checks)
+            stages = self.verifier.stages(key, start, checks, self.chunk)
             checks = []
 
         def check(offset: int, views: list[memoryview]) -> None:

@@ -11,10 +11,13 @@ footer first, waiting for it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..errors import ChecksumMismatchError
+from ..store.localfs import take_views
 from ..store.protocol import ObjectStore
 from ..transfer.stats import StatsRecorder
 from .checksum import bad_blocks, slice_pieces, verify_blocks
@@ -36,6 +39,12 @@ def _pieces(start: int, views: list[memoryview]) -> list[tuple[int, memoryview]]
         pieces.append((start, view))
         start += len(view)
     return pieces
+
+
+#: Bytes a load from a store that reads in stages (a local directory) reads before it checks them: while they
+#: are still in the CPU's cache (with the rank's share of the CPUs reading, 1 GiB from tmpfs loaded in 0.28 s
+#: instead of 0.39 s, checks after whole requests on 16 workers).
+CHECK_STEP = 1024 * 1024
 
 
 class ReadVerifier:
@@ -62,6 +71,27 @@ class ReadVerifier:
         extras = real_extras(item.extras)
         if item.verify and extras.block_size:
             self.verify(key, item.base, extras, item.what, _pieces(item_start - item.base, item_views))
+
+    def stages(
+        self, key: str, start: int, checks: list[tuple[Any, int, list[memoryview]]], request_limit: int
+    ) -> list[tuple[int, Callable[[], None]]]:
+        """The checks ``(item, item_start, item_views)`` of a request from ``start`` as read stages (see
+        ``TransferEngine.read_at``): steps of whole blocks, about :data:`CHECK_STEP` or a quarter of
+        ``request_limit`` if less, each checked as soon as the read reaches its end, while its bytes are still
+        in the CPU's cache instead of read back from memory after the whole request."""
+        stages: list[tuple[int, Callable[[], None]]] = []
+        for item, at, views in checks:
+            block = item.extras.block_size
+            if not (item.verify and block):
+                continue
+            step = max(block, min(CHECK_STEP, request_limit // 4) // block * block)
+            pending = deque(views)
+            total = sum(len(v) for v in views)
+            for pos in range(0, total, step):
+                size = min(step, total - pos)
+                part = take_views(pending, size)
+                stages.append((at + pos + size - start, partial(self.check_item, key, item, at + pos, part)))
+        return stages
 
     def verify(self, key: str, base: int, extras: ItemExtras, what: str, pieces: list[tuple[int, memoryview]]) -> None:
         """Check the blocks of one item in ``pieces`` (offsets from ``base``); runs in the worker that read them."""

@@ -27,11 +27,9 @@ import os
 import shutil
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ..config import cpu_share
 from ..errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -43,18 +41,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from .localfs import (
-    LOCAL_FILESYSTEMS,
-    advance,
-    append_file,
-    filesystem_type,
-    fsync_dir,
-    link_noreplace,
-    preadv,
-    pwrite_all,
-    take_views,
-    write_all,
-)
+from .localfs import append_file, cpu_bound_readers, fsync_dir, link_noreplace, pread_staged, pwrite_all, write_all
 from .payload import Payload, payload_size, payload_views
 from .payload import out_view as _out_view
 from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
@@ -105,15 +92,8 @@ class LocalStore:
 
     @property
     def read_workers(self) -> int | None:
-        """Most reads worth running at once, where a read is a copy bound by the CPU (a local filesystem):
-        this rank's share of the CPUs, at least 2 (one reads while the other checks); None (no cap) on a
-        network filesystem, whose reads wait on round trips. On 2 CPUs, 2 workers read 1 GiB from tmpfs
-        1.3x as fast as 16, which spend the time switching and evicting each other's bytes from the cache
-        before they are checked. Asked once per load (a read of the mount table), never kept: a pickled
-        store may load on another host."""
-        if filesystem_type(self.root) not in LOCAL_FILESYSTEMS:
-            return None
-        return max(2, cpu_share())
+        """Most reads worth running at once (see ``localfs.cpu_bound_readers``); asked per load, never kept."""
+        return cpu_bound_readers(self.root)
 
     def url(self, key: str) -> str:
         return f"file://{self.root.as_posix().rstrip('/')}/{key}"
@@ -271,25 +251,13 @@ class LocalStore:
                     f"{self.url(key)} has {size} bytes; bytes {start}..{start + total} were asked for "
                     "(the object is truncated or does not belong to this checkpoint)"
                 )
-            left = deque(v for v in views if len(v))
-            pos = start
-            for end, fn in stages:
-                pos = self._pread_all(fd, key, take_views(left, start + end - pos), pos)
-                fn()
-            self._pread_all(fd, key, list(left), pos)
+            pread_staged(fd, views, start, stages)
+        except EOFError:
+            raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)") from None
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
         finally:
             os.close(fd)
-
-    def _pread_all(self, fd: int, key: str, pending: list[memoryview], pos: int) -> int:
-        while pending:
-            n = preadv(fd, pending, pos)
-            if n == 0:
-                raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)")
-            pos += n
-            advance(pending, n)
-        return pos
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

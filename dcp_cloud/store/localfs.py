@@ -8,8 +8,11 @@ import errno
 import os
 import re
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ..config import cpu_share
 
 MiB = 1024 * 1024
 #: Most bytes one read/write system call moves on Linux.
@@ -95,6 +98,15 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str = "/proc/self/moun
     return kind
 
 
+def cpu_bound_readers(path: str | os.PathLike[str]) -> int | None:
+    """Most reads of files under ``path`` worth running at once where a read is a copy bound by the CPU (a
+    local filesystem): the rank's share of the CPUs, at least 2 (one reads while the other checks; on 2 CPUs,
+    16 workers spent the time switching); None on a network filesystem, whose reads wait on round trips."""
+    if filesystem_type(path) not in LOCAL_FILESYSTEMS:
+        return None
+    return max(2, cpu_share())
+
+
 def take_views(pending: deque[memoryview], n: int) -> list[memoryview]:
     """The first ``n`` bytes of ``pending`` as views (sliced, never copied), dropped from it."""
     out = []
@@ -108,6 +120,27 @@ def take_views(pending: deque[memoryview], n: int) -> list[memoryview]:
             pending[0] = view[n:]
             n = 0
     return out
+
+
+def pread_staged(fd: int, views: list[memoryview], pos: int, stages: Sequence[tuple[int, Callable[[], None]]]) -> None:
+    """Read ``views`` in full from ``pos``, stopping at each stage's ``end`` (an offset into ``views``) to call its
+    ``fn`` (see ``LocalStore.read_into``); EOFError where the file ends first."""
+    left = deque(v for v in views if len(v))
+    start = pos
+    for end, fn in stages:
+        pos = _pread_all(fd, take_views(left, start + end - pos), pos)
+        fn()
+    _pread_all(fd, list(left), pos)
+
+
+def _pread_all(fd: int, pending: list[memoryview], pos: int) -> int:
+    while pending:
+        n = preadv(fd, pending, pos)
+        if n == 0:
+            raise EOFError
+        pos += n
+        advance(pending, n)
+    return pos
 
 
 def preadv(fd: int, views: list[memoryview], pos: int) -> int:
