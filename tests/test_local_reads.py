@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_cloud import ChecksumMismatchError, LocalReader, LocalWriter, TransferConfig
+from dcp_cloud import ChecksumMismatchError, LocalReader, LocalWriter, TransferConfig, TransientStoreError
 from dcp_cloud.config import cpu_share
 from dcp_cloud.dcp.readcheck import CHECK_STEP, ReadVerifier
 from dcp_cloud.store.local import LocalStore
@@ -100,3 +100,24 @@ def test_local_reads_run_on_the_rank_share_of_the_cpus(tmp_path: Path, monkeypat
     reader = LocalReader(tmp_path / "ckpt", transfer=TransferConfig(concurrency=16))
     assert reader._read_transfer().concurrency == 2
     assert LocalReader(tmp_path / "ckpt", transfer=TransferConfig(concurrency=1))._read_transfer().concurrency == 1
+
+
+def test_a_file_cut_short_during_a_read_is_a_transient_error_and_a_stage_error_passes_as_it_is(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    store.put("obj", bytes(2 * MiB))
+    buf = bytearray(2 * MiB)
+
+    def truncate() -> None:  # another process shortens the file while it is read
+        os.truncate(tmp_path / "obj", MiB)
+
+    with pytest.raises(TransientStoreError, match="ended early"):
+        store.read_into("obj", 0, [memoryview(buf)], [(MiB, truncate)])
+
+    def fails() -> None:
+        raise TransientStoreError("the check's own re-read failed")
+
+    store.put("obj2", bytes(2 * MiB))
+    with pytest.raises(TransientStoreError, match="the check's own re-read failed"):
+        store.read_into("obj2", 0, [memoryview(buf)], [(MiB, fails)])

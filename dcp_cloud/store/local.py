@@ -254,6 +254,8 @@ class LocalStore:
             pread_staged(fd, views, start, stages)
         except EOFError:
             raise TransientStoreError(f"{self.url(key)} ended early while being read (changed underneath?)") from None
+        except DcpCloudError:
+            raise  # a stage's check (or its re-read) failed: as it is, not as a read error of this file
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
         finally:
