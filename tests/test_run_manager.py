@@ -392,8 +392,9 @@ def test_loads_hold_a_lease_while_they_read(run_root: Path, monkeypatch: Any) ->
 def test_two_managers_racing_on_one_step(run_root: Path) -> None:
     first = CheckpointManager(str(run_root))
     second = CheckpointManager(str(run_root))
+    assert second.latest_step() is None  # its listing, begun when it was made: the root was empty
     first.save(1, state_at(1))
-    assert second.latest_step() is None, "second answers from its listing, made when it was"
+    assert second.latest_step() is None, "second answers from that listing"
     assert second.latest_step(refresh=True) == 1
     first.save(2, state_at(2))  # second has not seen this one
     with pytest.raises(StepExistsError, match="another job"):
