@@ -99,16 +99,8 @@ class _UnmappableError(Exception):
 
 def _map(store: LocalStore, key: str, size: int) -> mmap.mmap | None:
     """``key``'s file mapped read-only (None: empty); CorruptCheckpointError where its size is not ``size``."""
-    path = store._path(key)
+    fd, actual = store.open_read(key)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise store._error(exc, key, "read") from exc
-    try:
-        try:
-            actual = os.fstat(fd).st_size
-        except OSError as exc:
-            raise store._error(exc, key, "read") from exc
         if actual != size:
             raise CorruptCheckpointError(
                 f"{store.url(key)} has {actual} bytes where {size} were expected "

@@ -239,13 +239,8 @@ class LocalStore:
         total = sum(len(v) for v in views)
         if total == 0:
             return
-        path = self._path(key)
+        fd, size = self.open_read(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise self._error(exc, key, "read") from exc
-        try:
-            size = os.fstat(fd).st_size
             if start < 0 or start + total > size:
                 raise CorruptCheckpointError(
                     f"{self.url(key)} has {size} bytes; bytes {start}..{start + total} were asked for "
@@ -260,6 +255,18 @@ class LocalStore:
             raise self._error(exc, key, "read") from exc
         finally:
             os.close(fd)
+
+    def open_read(self, key: str) -> tuple[int, int]:
+        """``key``'s file opened for reading, and its size; the caller closes the descriptor."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+        try:
+            return fd, os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise self._error(exc, key, "read") from exc
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
