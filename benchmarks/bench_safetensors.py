@@ -4,6 +4,7 @@
     python benchmarks/bench_safetensors.py                     # 512 MiB, 4 ranks, shaped path, 2 rounds
     python benchmarks/bench_safetensors.py --size-mb 64 --repeats 1   # a quick check
     python benchmarks/bench_safetensors.py --repeats 1 --loads none   # export, cp and today only
+    python benchmarks/bench_safetensors.py --ops none --loads 4:shard1  # one load's contenders only
 
 One s3rver, reached through two shaped proxies (``--latency-ms`` each way, ``--bandwidth-mbs`` per
 connection): the source side and the destination side, so that ``dcp-cloud cp`` streams through the
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--bandwidth-mbs", type=float, default=90.0)
     p.add_argument("--loads", default="1:plain,4:shard0,4:shard1", help="'none': the exports only")
+    p.add_argument("--ops", default="export,cp,today", help="the timed copies ('none': the loads only)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="raw results (default bench-results/safetensors.json)")
@@ -356,9 +358,14 @@ def main(argv: list[str] | None = None) -> int:
         common = {"source": source, "size_mb": args.size_mb, "tensors": args.tensors, "file_mb": args.file_mb,
                   "read_url": reads.endpoint_url, "write_url": writes.endpoint_url,
                   "workdir": args.workdir}  # fmt: skip
-        order = ["export", "cp", "today"]
-        for rnd in range(args.repeats):
-            for kind in order[rnd % 3 :] + order[: rnd % 3]:
+        order = [] if args.ops in ("", "none") else args.ops.split(",")
+        if loads and "export" not in order:  # the loads read round 0's export: made once, untimed
+            spec = {**common, "kind": "export", "uri": f"s3://{C.BUCKET}/export-r0"}
+            made = C.run_child(SCRIPT, spec, env=base, timeout=args.timeout)
+            if "error" in made:
+                raise SystemExit(f"the export to load failed: {made['error']}")
+        for rnd in range(args.repeats if order else 0):
+            for kind in order[rnd % len(order) :] + order[: rnd % len(order)]:
                 spec = {**common, "kind": kind, "uri": f"s3://{C.BUCKET}/{kind}-r{rnd}"}
                 server0 = server.cpu_s()
                 result = C.run_child(SCRIPT, spec, env=base, timeout=args.timeout)

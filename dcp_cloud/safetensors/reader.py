@@ -123,16 +123,30 @@ class SafetensorsReader(CloudReader):
     ) -> None:
         """Start the reads of one file: a box made of many short rows read through anyway (a column shard of a
         row-major tensor) is read whole and copied out in one strided copy; the rest as CloudReader reads."""
-        budget = self.transfer.memory_budget // 4
         rest = []
         for info, req in records:
-            found = self._chunks.lookup(req.storage_index) if req.type != LoadItemType.BYTE_IO else None
-            if found is not None and info.length <= budget and _short_rows(found, req, self.transfer.coalesce_gap):
+            found = self._read_whole(req, info)
+            if found is not None:
                 run.start_whole(req, key, info, None, f"{req.storage_index.fqn!r} from {url}", raw=found)
             else:
                 rest.append((info, req))
         if rest:
             super()._start_object(run, key, url, rest, footer, rider)
+
+    def _read_whole(self, req: ReadItem, info: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """The stored chunk (shape, dtype) of ``req`` where its box is read whole (see ``_short_rows``)."""
+        if req.type == LoadItemType.BYTE_IO or info.length > self.transfer.memory_budget // 4:
+            return None
+        found = self._chunks.lookup(req.storage_index)
+        return found if found is not None and _short_rows(found, req, self.transfer.coalesce_gap) else None
+
+    def _wanted_bytes(self, req: ReadItem, info: Any) -> int:
+        """A box read whole is fetched whole: counted so, the ranks that each want a column band of a tensor
+        want it all together, and the load's read sharing fetches it once, on one rank, for all of them
+        (rather than once per rank)."""
+        if self._read_whole(req, info) is not None:
+            return int(info.length)
+        return super()._wanted_bytes(req, info)
 
     # -- what CloudReader reads as its metadata ------------------------------
     def _metadata_key(self) -> str:
