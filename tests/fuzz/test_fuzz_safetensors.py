@@ -102,16 +102,25 @@ def _loaded(value: Any, full: Any, item: Item) -> list[str]:
     return []
 
 
-def _run(rank: int, world: int, batch: list[tuple[Case, dict[str, Any]]], root: str, bucket: str) -> list[str]:
-    """In each of the 4 ranks: every case of ``batch`` in turn; returns this rank's failures."""
+def _run(
+    rank: int, world: int, batch: list[tuple[Case, dict[str, Any]]], root: str, bucket: str
+) -> tuple[list[str], dict[str, int]]:
+    """In each of the 4 ranks: every case of ``batch`` in turn; returns this rank's failures and tallies
+    (``compared``: items compared; ``shared``: items it landed from another rank's fetch, as read sharing
+    does for the column bands of a file, and for items several ranks want)."""
     from fuzz_cases import encode_case
     from fuzz_world import Ranks
 
+    from dcp_cloud.dcp.sharedreads import COUNTS
+
     ranks = Ranks(rank, world, 120.0)
     failures: list[str] = []
+    tally = {"compared": 0, "shared": 0}
     for number, (case, export) in enumerate(batch):
         where = f"{root}/case-{number}" if case.target == "local" else f"s3://{bucket}/case-{number}"
-        problems = _one_case(rank, ranks, case, export, where)
+        before = sum(COUNTS.values())
+        problems = _one_case(rank, ranks, case, export, where, tally)
+        tally["shared"] += sum(COUNTS.values()) - before
         if problems:
             failures.append(
                 f"case {number} on rank {rank}: {problems[:5]}\n{case.describe()}\nexport={export}\n"
@@ -119,10 +128,12 @@ def _run(rank: int, world: int, batch: list[tuple[Case, dict[str, Any]]], root: 
             )
         if rank == 0 and case.target == "local":
             shutil.rmtree(where, ignore_errors=True)
-    return failures
+    return failures, tally
 
 
-def _one_case(rank: int, ranks: Any, case: Case, export: dict[str, Any], where: str) -> list[str]:
+def _one_case(
+    rank: int, ranks: Any, case: Case, export: dict[str, Any], where: str, tally: dict[str, int]
+) -> list[str]:
     """One case on this rank (every rank of the world runs it): save on ``w1`` ranks, export on
     ``export["ranks"]``, load on ``w2``, compare; returns what went wrong here."""
     import torch
@@ -175,6 +186,7 @@ def _one_case(rank: int, ranks: Any, case: Case, export: dict[str, Any], where: 
     def compare() -> None:
         for item in tensors:
             problems.extend(_loaded(loaded[item.path[1]], _expected(item, export["dtype"]), item))
+            tally["compared"] += 1
 
     # Each phase runs on the ranks it names; then every rank learns whether one failed, and all skip the rest
     # of the case together (a rank alone in a later collective would wait for the others forever).
@@ -233,6 +245,7 @@ def test_fuzz_export_then_load(request: pytest.FixtureRequest, moto_server: Any,
         draw()
     client = moto_client(moto_server)
     failures: list[str] = []
+    compared = shared = 0
     try:
         for start in range(0, len(drawn), BATCH):
             batch = drawn[start : start + BATCH]
@@ -241,9 +254,15 @@ def test_fuzz_export_then_load(request: pytest.FixtureRequest, moto_server: Any,
             root = tmp_path / f"batch-{start}"
             root.mkdir()
             timeout = 600 + 60 * len(batch)
-            for failed in run_ranks(WORLD, _run, batch, str(root), bucket, env=env, timeout=timeout):
+            for failed, tally in run_ranks(WORLD, _run, batch, str(root), bucket, env=env, timeout=timeout):
                 failures.extend(failed)
+                compared += tally["compared"]
+                shared += tally["shared"]
     finally:
         client.close()
+    # what ran, so that a net that stopped exercising something shows it (items: per rank that loaded them)
+    expected = sum(case.w2 * sum(item.kind == "tensor" for item in case.items) for case, _ in drawn)
+    say(request.config, f"safetensors fuzz: {compared} loaded items compared, {shared} of them from shared reads")
     assert len(drawn) == count
+    assert failures or compared == expected, f"{compared} items compared, {expected} drawn"
     assert not failures, f"{len(failures)} failure(s) (seed {seed}):\n" + "\n\n".join(failures[:6])
