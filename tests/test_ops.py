@@ -188,6 +188,66 @@ def test_cp_streams_each_object_under_the_single_put_limit_in_one_put(
     assert all(torch.equal(target[k], v) for k, v in state.items())
 
 
+def test_cp_between_stores_copies_objects_side_by_side_and_reports_from_the_calling_thread(
+    moto_server: Any, s3_bucket: str, gcs_bucket: str, gcs_env: Any, tmp_path: Path
+) -> None:
+    """A streamed copy sends several objects at once (one after another, each object's one PUT on one
+    connection capped a copy at one connection's bandwidth): the first PUT of one object is held 1.5 s, and
+    another object's PUT arrives meanwhile. The progress bar hears every byte, from the calling thread only."""
+    import threading
+    import time
+
+    from dcp_cloud.testing.proxy import FaultPlan
+
+    transfer = dcp_cloud.TransferConfig(part_size=5 * MiB, max_inflight_parts=8)
+    state = {f"w{i}": torch.full((MiB,), float(i)) for i in range(4)}  # 16 MiB: 3 objects or more
+    src = f"gs://{gcs_bucket}/src"
+    dcp_cloud.save(state, storage_writer=dcp_cloud.GCSWriter(src, transfer=transfer))
+    puts: list[tuple[float, str]] = []
+    held: list[str] = []
+
+    def hold_first(request: Any) -> bool:
+        if request.method != "PUT" or not request.path.endswith(".distcp"):
+            return False
+        puts.append((time.monotonic(), request.path))
+        if held:
+            return False
+        held.append(request.path)
+        return True
+
+    class Recording:
+        def __init__(self) -> None:
+            self.threads: set[int] = set()
+            self.total = 0
+
+        def start(self, what: str, total: int | None, unit: str = "B") -> None:
+            self.threads.add(threading.get_ident())
+
+        def advance(self, amount: int) -> None:
+            self.threads.add(threading.get_ident())
+            self.total += amount
+
+        def done(self) -> None:
+            self.threads.add(threading.get_ident())
+
+    bar = Recording()
+    plan = FaultPlan(stall=1.0, stall_seconds=1.5, phase="request", when=hold_first)
+    with FaultProxy(moto_server.endpoint_url, plan) as proxy:
+        report = copy_checkpoint(
+            src, f"s3://{s3_bucket}/side", transfer=transfer, destination_options={"endpoint_url": proxy.url},
+            progress=bar,
+        )  # fmt: skip
+        assert proxy.snapshot().faults["stall"] == 1
+    assert not report.server_side and report.objects >= 3, report
+    first = next(t for t, path in puts if path == held[0])
+    others = [path for t, path in puts if path != held[0] and first < t < first + 1.5]
+    assert others, puts
+    assert bar.threads == {threading.get_ident()} and bar.total == report.bytes_copied, (bar.threads, report)
+    target = {k: torch.zeros(MiB) for k in state}
+    dcp_cloud.load(target, storage_reader=S3Reader(f"s3://{s3_bucket}/side", endpoint_url=moto_server.endpoint_url))
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
 def test_cp_from_a_directory_whose_files_cannot_be_mapped_streams_them_with_one_warning(
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

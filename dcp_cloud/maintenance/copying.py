@@ -55,7 +55,7 @@ from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _METADATA, _open, _read_committed, _Root, log
 from .mapped import is_mapped, send_mapped
-from .progress import Progress, or_silent
+from .progress import Progress, Tally, or_silent, relay
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
 
 
@@ -135,7 +135,7 @@ def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> i
     regions, _, _ = stream_checkers(
         metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)
     )
-    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes}, parallel=True)
+    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes})
     return sum(sizes.values())
 
 
@@ -318,11 +318,12 @@ def _copy_streaming(
     regions: dict[str, Any],
     bar: Progress,
     rename: dict[str, str],
-    parallel: bool = False,
 ) -> None:
-    """Stream each object through a multipart upload (``parallel``: several objects at once, as many as the
-    upload's memory budget holds their parts; one after another otherwise). A local directory's objects go up
-    from their mapped files instead, up to ``concurrency`` at once (streamed where a file cannot be mapped)."""
+    """Stream each object through its upload, several objects at once, as many as the upload's memory budget
+    holds their parts (an object under the single-PUT limit is one request on one connection: one after
+    another, a store that caps each connection's bandwidth would cap the copy's). A local directory's objects
+    go up from their mapped files instead, up to ``concurrency`` at once (streamed where a file cannot be
+    mapped)."""
     if is_mapped(src):
         sizes = send_mapped(src, dst, sizes, regions, bar, rename)  # what could not be mapped: streamed below
         if not sizes:
@@ -336,31 +337,31 @@ def _copy_streaming(
         # upload at the second part: a create and a complete round trip more per object, and a copy).
         limit = writes.config.single_put_limit(writes.config.part_size)
 
+        tally = Tally()
+
         def one(name: str, size: int) -> None:
             key = f"{dst.prefix}/{rename[name]}"
             checker = stream_checker(regions.get(name, []), src.url(join_key(src.prefix, name)))
             writer = open_writer(writes, key, size)
             try:
-                _stream(reads, join_key(src.prefix, name), size, checker, writer, bar, borrow=size < limit)
+                _stream(reads, join_key(src.prefix, name), size, checker, writer, tally, borrow=size < limit)
                 writer.commit()
             except BaseException:
                 writer.abort()
                 raise
 
-        if not parallel or len(sizes) < 2:
-            for name, size in sizes.items():
-                one(name, size)
-            return
-        _run_bounded(writes, sizes, one)
+        _run_bounded(writes, sizes, one, bar, tally)
 
 
-def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any) -> None:
+def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any, bar: Progress, tally: Tally) -> None:
     """Run ``one(name, size)`` for every object, at once as far as the upload's buffers go: each object takes
     the part buffers it can hold at most (a small object's whole body waits for one PUT) plus one, from a
-    count of the budget's buffers, before it starts; so no upload waits on a buffer another one holds."""
+    count of the budget's buffers, before it starts; so no upload waits on a buffer another one holds. After
+    a failure, the objects not started are not copied."""
     config = writes.config
     total = max(1, config.memory_budget // config.part_size)
     free = [total]
+    failed = threading.Event()
     cond = threading.Condition()
     limit = config.single_put_limit(config.part_size)
 
@@ -373,16 +374,19 @@ def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any) -> Non
             cond.wait_for(lambda: free[0] >= taken)
             free[0] -= taken
         try:
-            one(name, size)
+            if not failed.is_set():
+                one(name, size)
+        except BaseException:
+            failed.set()
+            raise
         finally:
             with cond:
                 free[0] += taken
                 cond.notify_all()
 
-    with ThreadPoolExecutor(max_workers=min(len(sizes), total), thread_name_prefix="dcp-cloud-copy") as pool:
-        futures = [pool.submit(run, name, size) for name, size in sizes.items()]
-        for future in futures:
-            future.result()
+    workers = max(1, min(len(sizes), total))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-cloud-copy") as pool:
+        relay([pool.submit(run, name, size) for name, size in sizes.items()], bar, tally)
 
 
 def _stream(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _Root, log
-from .progress import Progress
+from .progress import Progress, Tally, relay
 from .verification import stream_checker
 
 #: Bytes of a mapping checked at a time.
@@ -80,17 +79,13 @@ def send_mapped(
                     raise
             finally:
                 _unmap(view, mapping)
-            bar.advance(size)
+            tally.advance(size)
 
-        _run_all(sizes, one, dst.transfer.concurrency)
+        tally = Tally()
+        workers = max(1, min(len(sizes), dst.transfer.concurrency))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-cloud-send") as pool:
+            relay([pool.submit(one, name, size) for name, size in sizes.items()], bar, tally)
     return unmapped
-
-
-def _run_all(sizes: dict[str, int], one: Callable[[str, int], None], workers: int) -> None:
-    with ThreadPoolExecutor(max_workers=max(1, min(len(sizes), workers)), thread_name_prefix="dcp-cloud-send") as pool:
-        futures = [pool.submit(one, name, size) for name, size in sizes.items()]
-        for future in futures:
-            future.result()
 
 
 class _UnmappableError(Exception):

@@ -7,7 +7,9 @@ draws anything itself; the ``dcp-cloud`` command passes progress bars
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -42,3 +44,44 @@ class NoProgress:
 
 def or_silent(progress: Progress | None) -> Progress:
     return progress if progress is not None else NoProgress()
+
+
+class Tally:
+    """A :class:`Progress` that worker threads advance; the calling thread hands the sum on to the real one
+    (see :func:`relay`), so that a progress bar hears from that thread only."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._units = 0
+
+    def start(self, what: str, total: int | None, unit: str = "B") -> None:
+        return None
+
+    def advance(self, amount: int) -> None:
+        with self._lock:
+            self._units += amount
+
+    def done(self) -> None:
+        return None
+
+    def take(self) -> int:
+        with self._lock:
+            units, self._units = self._units, 0
+        return units
+
+
+def relay(futures: list[Future[Any]], bar: Progress, tally: Tally, every: float = 0.2) -> None:
+    """Wait for ``futures``, handing what their threads told ``tally`` on to ``bar`` from this thread (every
+    ``every`` seconds); the first failure cancels those not started yet and is raised."""
+    pending = set(futures)
+    try:
+        while pending:
+            done, pending = wait(pending, timeout=every, return_when=FIRST_EXCEPTION)
+            units = tally.take()
+            if units:
+                bar.advance(units)
+            for future in done:
+                future.result()
+    finally:
+        for future in futures:
+            future.cancel()
