@@ -13,10 +13,13 @@ without processes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from dcp_cloud.planner.readshare import plan_sharing
 from dcp_cloud.testing.multirank import run_ranks
@@ -91,6 +94,18 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
     out["conj-ok"] = torch.equal(target["c"].resolve_conj(), _cplx())
     dist.barrier()
 
+    # a band of the columns of every row on each rank (rows saved whole, loaded as Shard(1)): each rank's
+    # read would go through the whole chunk; shared, it is fetched once
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    line = init_device_mesh("cpu", (world,))
+    target = {k: distribute_tensor(torch.zeros(v), line, [Shard(1)]) for k, v in DDP.items()}
+    before = dict(COUNTS)
+    dcp_cloud.load(target, storage_reader=dcp_cloud.S3Reader(f"s3://{bucket}/ddp", endpoint_url=urls["cols"]))
+    out["cols-counts"] = {k: COUNTS[k] - before[k] for k in COUNTS}
+    out["cols-bad"] = [k for k in DDP if not torch.equal(target[k].full_tensor(), want[k])]
+    dist.barrier()
+
     # HSDP: 2 replicas of a 2-way shard
     mesh = init_device_mesh("cpu", (2, 2))
     dcp_cloud.save(_hsdp_state(mesh, zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{bucket}/hsdp"))
@@ -140,19 +155,21 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         FaultProxy(moto_server.endpoint_url) as hsdp,
         FaultProxy(moto_server.endpoint_url, fault_plan) as fault,
         FaultProxy(moto_server.endpoint_url) as staged,
+        FaultProxy(moto_server.endpoint_url) as cols,
     ):
         urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url, "staged": staged.url}
+        urls["cols"] = cols.url
         out = run_ranks(4, _ranks_body, s3_bucket, urls, env=s3_env, timeout=TIMEOUT)
         stored_ddp = _stored(moto_s3_client, s3_bucket, "ddp")
         stored_hsdp = _stored(moto_s3_client, s3_bucket, "hsdp")
-        (ddp_bytes, ddp_reqs), (off_bytes, off_reqs), (hsdp_bytes, hsdp_reqs) = (
-            _fetched(p, s3_bucket) for p in (ddp, off, hsdp)
+        (ddp_bytes, ddp_reqs), (off_bytes, off_reqs), (hsdp_bytes, hsdp_reqs), (cols_bytes, _) = (
+            _fetched(p, s3_bucket) for p in (ddp, off, hsdp, cols)
         )
         faults = fault.snapshot().total_faults
     print(
         f"DDP 4 ranks: fetched/stored {ddp_bytes / stored_ddp:.3f} ({ddp_reqs} GETs); "
         f"share_reads=False {off_bytes / stored_ddp:.3f} ({off_reqs} GETs); "
-        f"HSDP 2x2 {hsdp_bytes / stored_hsdp:.3f} ({hsdp_reqs} GETs)"
+        f"HSDP 2x2 {hsdp_bytes / stored_hsdp:.3f} ({hsdp_reqs} GETs); columns {cols_bytes / stored_ddp:.3f}"
     )
     for rank, result in enumerate(out):
         assert result["ddp-bad"] == [] and result["ddp-off-bad"] == [] and result["hsdp-bad"] == [], (rank, result)
@@ -164,11 +181,14 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         assert result["staged-bad"] == [], (rank, result["staged-bad"])
         assert result["staged-counts"] == {"raw_direct": 0, "raw_staged": len(DDP), "whole": 0}, (rank, result)
         assert result["conj-ok"], (rank, result)
+        assert result["cols-bad"] == [], (rank, result["cols-bad"])
+        assert result["cols-counts"]["raw_staged"] == len(DDP), (rank, result["cols-counts"])
         assert result["conj-counts"] == {"raw_direct": 0, "raw_staged": 1, "whole": 0}, (rank, result)
         assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
     assert faults == 1
     assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)
     assert hsdp_bytes <= 1.10 * stored_hsdp, (hsdp_bytes, stored_hsdp)
+    assert cols_bytes <= 1.10 * stored_ddp, (cols_bytes, stored_ddp)  # each rank alone: 4 times
     assert off_bytes >= 3.9 * stored_ddp, (off_bytes, stored_ddp)  # the per-rank baseline reads it 4 times
     # each owner fetches a run of neighbouring tensors: one footer GET and one coalesced GET per owner (per
     # file), plus one GET per bytes item (two in DDP's "extra"); before owners got runs, 14 and 16
@@ -218,3 +238,57 @@ def test_schedule_gives_owners_runs_of_neighbours_balanced_by_bytes() -> None:
     assert max(loads) - min(loads) <= 100, loads
     runs = [r.owner for r in sorted(schedule.rounds[0], key=lambda r: r.key)]
     assert runs == sorted(runs, key=runs.index), runs  # each owner's records are consecutive
+
+
+@st.composite
+def _boxes(draw: Any) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...], int]:
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    offsets, lengths = [], []
+    for n in shape:
+        start = draw(st.integers(0, n - 1))
+        offsets.append(start)
+        lengths.append(draw(st.integers(1, n - start)))
+    dtype = draw(st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.float64]))
+    return shape, dtype, tuple(offsets), tuple(lengths), draw(st.one_of(st.integers(0, 40), st.just(1 << 16)))
+
+
+@given(_boxes())
+@example(((2, 5), torch.uint8, (0, 1), (2, 3), 2))  # runs exactly ``gap`` apart: read through
+@example(((2, 5), torch.uint8, (0, 1), (2, 3), 1))  # one byte further: not
+def test_span_of_a_box_is_what_reading_its_runs_through_covers(box: Any) -> None:
+    """``span_of``: from the box's first byte to its last where it is cut along one dimension into runs at most
+    ``gap`` apart; None otherwise (checked against the box's bytes, element by element)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_cloud.dcp.chunks import ChunkIndex
+
+    shape, dtype, offsets, lengths, gap = box
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
+    md = {"t": TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [chunk])}
+    req = SimpleNamespace(storage_index=MetadataIndex("t", [0] * len(shape), 0), lengths=lengths)
+    got = ChunkIndex(md).span_of(req, gap)
+    # the byte runs of the box in the row-major chunk
+    index = torch.arange(math.prod(shape)).reshape(shape)
+    for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        index = index.narrow(d, o, n)
+    elements = sorted(index.reshape(-1).tolist())
+    size = dtype.itemsize
+    runs: list[list[int]] = []
+    for e in elements:
+        if runs and runs[-1][1] == e * size:
+            runs[-1][1] += size
+        else:
+            runs.append([e * size, (e + 1) * size])
+    cut = [d for d in range(len(shape)) if lengths[d] != shape[d]]
+    gaps = [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
+    if len(cut) == 1 and len(runs) > 1 and max(gaps) <= gap:
+        assert got == runs[-1][1] - runs[0][0], (box, runs)
+    else:
+        assert got is None, (box, runs)

@@ -35,6 +35,31 @@ class ChunkIndex:
             part *= n
         return nbytes * part // max(total, 1)
 
+    def span_of(self, req: Any, gap: int) -> int | None:
+        """Bytes of the stored chunk that a load of the box ``req`` reads through: from its first byte to its
+        last where the box is cut along one dimension only into runs at most ``gap`` apart (a band of the
+        columns of every row: the gaps are read, not skipped); None where it is not (whole, a block, runs far
+        apart, or not a known tensor chunk)."""
+        found = self.lookup(req.storage_index)
+        if found is None:
+            return None
+        shape, dtype = found
+        lengths = tuple(req.lengths)
+        cut = [d for d in range(len(shape)) if lengths[d] != shape[d]]
+        if len(cut) != 1:
+            return None
+        k = cut[0]
+        inner = dtype.itemsize
+        for n in shape[k + 1 :]:
+            inner *= n
+        outer = 1
+        for n in shape[:k]:
+            outer *= n
+        run, stride = lengths[k] * inner, shape[k] * inner
+        if outer < 2 or run == 0 or stride - run > gap:
+            return None
+        return (outer - 1) * stride + run
+
     def lookup(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
         md = self._md.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata):

@@ -245,12 +245,21 @@ class CloudReader(CloudBase, StorageReader):
         return int(dist.get_world_size(self.process_group))
 
     def _wanted_bytes(self, req: ReadItem, info: Any) -> int:
-        """Bytes of the stored item ``info`` that ``req`` needs fetched (all of it when it is read whole)."""
+        """Bytes of the stored item ``info`` that ``req`` fetches: all of it when read whole; a band of the
+        columns of every row is read through (``ChunkIndex.span_of``), so ranks that each want a band of one
+        chunk want it all together, and read sharing fetches it once for all (within half the budget: a shared
+        record is staged whole on every rank)."""
+        nbytes = int(info.length)
         if req.type == LoadItemType.BYTE_IO or transform_descriptors(info):
-            return int(info.length)
+            return nbytes
         if self._footers is None and getattr(extras_of(info), "raw_offset", None) is None:
-            return int(info.length)
-        return self._chunks.share_of(req, int(info.length))
+            return nbytes
+        share = self._chunks.share_of(req, nbytes)
+        if nbytes <= self.transfer.memory_budget // 2:
+            span = self._chunks.span_of(req, self.transfer.coalesce_gap)
+            if span is not None:
+                return max(share, min(span, nbytes))
+        return share
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

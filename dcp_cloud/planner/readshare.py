@@ -20,7 +20,10 @@ deterministic, so every rank can follow the same schedule of exchanges.
 A record is shared only when the ranks want more of it, together, than
 :data:`SHARE_FACTOR` times its size: a resharding load in which two ranks
 want disjoint halves of one stored chunk keeps reading its exact byte
-ranges, rank by rank, as before.
+ranges, rank by rank, as before. What a rank "wants" is what its reads would
+fetch: a band of the columns of every row is read through from its first
+row to its last, so ranks loading a chunk saved by rows as ``Shard(1)`` want
+it whole, each of them, and it is fetched once and shared.
 """
 
 from __future__ import annotations

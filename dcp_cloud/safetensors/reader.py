@@ -140,14 +140,6 @@ class SafetensorsReader(CloudReader):
         found = self._chunks.lookup(req.storage_index)
         return found if found is not None and _short_rows(found, req, self.transfer.coalesce_gap) else None
 
-    def _wanted_bytes(self, req: ReadItem, info: Any) -> int:
-        """A box read whole is fetched whole: counted so, the ranks that each want a column band of a tensor
-        want it all together, and the load's read sharing fetches it once, on one rank, for all of them
-        (rather than once per rank)."""
-        if self._read_whole(req, info) is not None:
-            return int(info.length)
-        return super()._wanted_bytes(req, info)
-
     # -- what CloudReader reads as its metadata ------------------------------
     def _metadata_key(self) -> str:
         if self.uri.prefix.endswith(".safetensors"):
