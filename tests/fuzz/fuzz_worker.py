@@ -255,8 +255,11 @@ class CaseRun:
         self._save(self.base, FINAL, overwrite=True)
 
     def load(self) -> None:
+        from dcp_cloud.dcp.sharedreads import COUNTS
+
         reuse = bool(self.case.opt("reader_reuse"))
         reader = self._kept_reader if reuse and self._kept_reader is not None else self._reader(self.ours)
+        landed = sum(COUNTS.values())
         for turn in range(2 if reuse else 1):
             part = bool(self.case.opt("partial_load")) and not turn
             got = self._load(reader, self.case.opt("api"), self.no_dist, part)
@@ -264,6 +267,8 @@ class CaseRun:
             want = {k: self.expected[k] for k in got} if part else self.expected
             self.report.mismatches += differences(got, want, what)
         self._kept_reader = reader
+        # items this rank landed from another rank's fetch (read sharing): the fuzzer says how often it ran
+        self.report.facts["shared"] = sum(COUNTS.values()) - landed
 
     def download(self) -> None:
         targets.download(self.target, self.case_id, self.local)

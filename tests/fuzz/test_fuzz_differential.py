@@ -110,12 +110,14 @@ def test_differential(
         finished = True
     finally:
         spent = time.monotonic() - started
-        checked = [f for f in incremental if f]
+        checked = [f for f in incremental if "discriminating" in f]
+        shared = [f["shared"] for f in incremental if f.get("shared")]
         say(
             request.config,
             f"fuzz {tier} tier: {len(done)} cases passed in {spent:.0f} s (slowest {max(done, default=0):.1f} s); "
             f"incremental byte checks: {len(checked)}, of which {sum(f['discriminating'] for f in checked)} "
-            "would have failed had nothing been skipped",
+            f"would have failed had nothing been skipped; {len(shared)} cases loaded {sum(shared)} items on "
+            "rank 0 from another rank's fetch (read sharing)",
         )
         say(request.config, ledger.summary())
         if slowest:
