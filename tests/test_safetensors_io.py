@@ -382,35 +382,3 @@ def test_one_ranks_failure_ends_every_rank_within_its_file(moto_server: Any, s3_
         assert store.list_multipart("hf/") == []
     finally:
         store.close()
-
-
-def _load_columns(rank: int, world: int, path: str) -> tuple[int, bytes]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    state = {
-        "w": distribute_tensor(torch.zeros(256, 48), mesh, [Shard(1)]),
-        "v": distribute_tensor(torch.zeros(128, 40, dtype=torch.bfloat16), mesh, [Shard(1)]),
-    }
-    reader = SafetensorsReader(path)
-    dcp.load(state, storage_reader=reader)
-    full = b"".join(bytes(state[k].full_tensor().reshape(-1).view(torch.uint8).numpy()) for k in ("w", "v"))
-    return reader.stats.bytes_read, full
-
-
-def test_column_shards_of_a_file_are_fetched_once_for_every_rank(tmp_path: Path) -> None:
-    """3 ranks each want a band of the columns of every row: the rows are read through either way, so one
-    rank fetches each tensor whole and sends it to the others (read sharing); the file is fetched once in
-    all, not once per rank, and every rank's band is bitwise the file's."""
-    g = torch.Generator().manual_seed(7)
-    tensors = {"w": torch.randn(256, 48, generator=g), "v": torch.randn(128, 40, generator=g).bfloat16()}
-    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
-    data = sum(t.nbytes for t in tensors.values())
-    outcomes = run_ranks(3, _load_columns, str(tmp_path), timeout=300)
-    fetched = [n for n, _ in outcomes]
-    header = (tmp_path / "model.safetensors").stat().st_size - data
-    expect = b"".join(bytes(tensors[k].reshape(-1).view(torch.uint8).numpy()) for k in ("w", "v"))
-    assert all(full == expect for _, full in outcomes)
-    # each rank reads the header (shared metadata: only the coordinator) and its share of the tensors
-    assert data <= sum(fetched) <= data + header, fetched

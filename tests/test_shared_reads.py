@@ -1,4 +1,4 @@
-"""Read once, share over the group (issue 10): replicated loads fetch each stored byte about once per job.
+"""Read once, share over the group: replicated loads fetch each stored byte about once per job.
 
 Counted at the fault proxy (an independent byte counter between the ranks
 and moto): a DDP-style load (one process saved, 4 ranks each want
@@ -6,7 +6,9 @@ everything) and an HSDP-style one (DTensors on a 2x2 mesh, ``[Replicate(),
 Shard(0)]``) fetch at most 1.10x the bytes stored, and every rank ends with
 the saved values bit for bit (the DDP tensors moved as raw bytes straight
 into their destinations, not as whole items unpickled on every rank); with ``share_reads=False`` the DDP load
-fetches them once per rank, as before. A rank whose fetch fails gives every
+fetches them once per rank, as before. Ranks that each want a band of the
+columns of every row (loads as ``Shard(1)``, from a checkpoint and from a
+safetensors file) fetch each chunk once between them. A rank whose fetch fails gives every
 rank the typed error, with no hang. The schedule itself is unit-tested
 without processes.
 """
@@ -53,6 +55,11 @@ def _hsdp_state(mesh: Any, zeros: bool) -> dict[str, Any]:
         k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [Replicate(), Shard(0)])
         for k, v in _values(HSDP).items()
     }
+
+
+def _st() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"w": torch.randn(256, 48, generator=g), "v": torch.randn(128, 40, generator=g).bfloat16()}
 
 
 def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dict[str, Any]:
@@ -106,6 +113,14 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
     out["cols-bad"] = [k for k in DDP if not torch.equal(target[k].full_tensor(), want[k])]
     dist.barrier()
 
+    # the same from a safetensors file (a tensor per record): its column bands are fetched once in all
+    target = {k: distribute_tensor(torch.zeros(v.shape, dtype=v.dtype), line, [Shard(1)]) for k, v in _st().items()}
+    reader = dcp_cloud.SafetensorsReader(urls["st"])
+    dcp_cloud.load(target, storage_reader=reader)
+    out["st-fetched"] = reader.stats.bytes_read
+    out["st-bad"] = [k for k, v in _st().items() if not torch.equal(target[k].full_tensor(), v)]
+    dist.barrier()
+
     # HSDP: 2 replicas of a 2-way shard
     mesh = init_device_mesh("cpu", (2, 2))
     dcp_cloud.save(_hsdp_state(mesh, zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{bucket}/hsdp"))
@@ -141,9 +156,15 @@ def _fetched(proxy: FaultProxy, bucket: str) -> tuple[int, int]:
 
 @pytest.mark.multirank
 def test_replicated_loads_fetch_each_stored_byte_once(
-    moto_server: Any, s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any
+    moto_server: Any, s3_bucket: str, s3_env: dict[str, str], moto_s3_client: Any, tmp_path: Any
 ) -> None:
+    from safetensors.torch import save_file
+
     import dcp_cloud
+
+    save_file(_st(), str(tmp_path / "model.safetensors"))
+    st_data = sum(t.nbytes for t in _st().values())
+    st_header = (tmp_path / "model.safetensors").stat().st_size - st_data
 
     dcp_cloud.save(_ddp_state(zeros=False), storage_writer=dcp_cloud.S3Writer(f"s3://{s3_bucket}/ddp"))
     dcp_cloud.save({"c": _cplx()}, storage_writer=dcp_cloud.S3Writer(f"s3://{s3_bucket}/cplx"))
@@ -158,7 +179,7 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         FaultProxy(moto_server.endpoint_url) as cols,
     ):
         urls = {"ddp": ddp.url, "ddp-off": off.url, "hsdp": hsdp.url, "fault": fault.url, "staged": staged.url}
-        urls["cols"] = cols.url
+        urls["cols"], urls["st"] = cols.url, str(tmp_path)
         out = run_ranks(4, _ranks_body, s3_bucket, urls, env=s3_env, timeout=TIMEOUT)
         stored_ddp = _stored(moto_s3_client, s3_bucket, "ddp")
         stored_hsdp = _stored(moto_s3_client, s3_bucket, "hsdp")
@@ -183,12 +204,16 @@ def test_replicated_loads_fetch_each_stored_byte_once(
         assert result["conj-ok"], (rank, result)
         assert result["cols-bad"] == [], (rank, result["cols-bad"])
         assert result["cols-counts"]["raw_staged"] == len(DDP), (rank, result["cols-counts"])
+        assert result["st-bad"] == [], (rank, result["st-bad"])
         assert result["conj-counts"] == {"raw_direct": 0, "raw_staged": 1, "whole": 0}, (rank, result)
         assert result["fault"] == dict.fromkeys(range(4), "TransientStoreError"), (rank, result["fault"])
     assert faults == 1
     assert ddp_bytes <= 1.10 * stored_ddp, (ddp_bytes, stored_ddp)
     assert hsdp_bytes <= 1.10 * stored_hsdp, (hsdp_bytes, stored_hsdp)
     assert cols_bytes <= 1.10 * stored_ddp, (cols_bytes, stored_ddp)  # each rank alone: 4 times
+    # the file's header is read by the coordinator alone (shared metadata), each tensor by one rank
+    st_fetched = [result["st-fetched"] for result in out]
+    assert st_data <= sum(st_fetched) <= st_data + st_header, st_fetched
     assert off_bytes >= 3.9 * stored_ddp, (off_bytes, stored_ddp)  # the per-rank baseline reads it 4 times
     # each owner fetches a run of neighbouring tensors: one footer GET and one coalesced GET per owner (per
     # file), plus one GET per bytes item (two in DDP's "extra"); before owners got runs, 14 and 16
