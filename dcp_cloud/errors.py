@@ -119,6 +119,34 @@ class StepExistsError(CheckpointExistsError):
         return (type(self), (str(self), self.step, self.latest))
 
 
+class StepLostError(DcpCloudError, OSError):
+    """A step committed on the node-local tiers that cannot be assembled any more: files it names are on no node
+    of this job and the step is not in the object store. Raised instead of reporting an empty run; ``step``,
+    ``files`` and ``older`` say what was lost and what can still be loaded."""
+
+    def __init__(
+        self,
+        message: str,
+        step: int | None = None,
+        steps: tuple[int, ...] = (),
+        files: dict[str, int | None] | None = None,
+        older: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        #: The newest lost step (the one asked for, for a load of a given step).
+        self.step = step
+        #: Every lost step newer than the newest step that can be loaded, oldest first.
+        self.steps = tuple(steps)
+        #: The files of ``step`` that no node of the job holds: relative path -> the rank that wrote it (None when
+        #: its name does not say).
+        self.files = dict(files or {})
+        #: The newest step that can still be loaded (complete on the local tiers or in the object store), or None.
+        self.older = older
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.step, self.steps, self.files, self.older))
+
+
 class StepMismatchError(DcpCloudError, ValueError):
     """The ranks of a job passed different steps (or options) to one call of the checkpoint manager."""
 
@@ -150,6 +178,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "StepExistsError",
+    "StepLostError",
     "StepMismatchError",
     "StoreError",
     "ThrottledError",

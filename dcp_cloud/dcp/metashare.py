@@ -68,6 +68,7 @@ def from_rank(error: BaseException, rank: int) -> BaseException:
         named = type(error)(f"rank {rank} failed: {error}")
     except Exception:  # noqa: BLE001 - a type that takes other arguments: raise it as it came
         return error
+    named.__dict__.update(error.__dict__)  # what the error carries besides its message (a step, the files lost)
     named.__cause__ = error.__cause__
     return named
 

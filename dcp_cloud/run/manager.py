@@ -30,7 +30,6 @@ from .stepinfo import StepRecord, check_user_metadata
 from .storage import RunStorage, WriterOptions
 from .tiers.config import LocalTier
 from .tiers.driver import TierDriver
-from .tiers.plan import complete_steps
 from .tiers.runtime import LocalTiers
 from .tiers.worker import TierStats
 from .view import View
@@ -203,17 +202,20 @@ class CheckpointManager:
 
     def steps(self, *, refresh: bool = False) -> list[int]:
         """The committed steps, oldest first, as rank 0 listed them when the manager was made, with what the
-        manager did since (``refresh=True`` lists again)."""
+        manager did since (``refresh=True`` lists again). With a local tier, the steps complete on some tier
+        (lost steps are named in a warning, or raise as in :meth:`latest_step`)."""
         self._check_open()
         if self._tiers is not None:
             view = self._tiers.tiers.gather()
             driver = self._tiers
             listing = lambda: self._view.current(refresh)  # noqa: E731
-            return sorted(self._rank0(lambda: list(set(driver.remote_steps(listing)) | set(complete_steps(view)))))
+            return self._rank0(lambda: driver.loadable(view, driver.remote_steps(listing)))
         return sorted(self._rank0(lambda: list(self._view.current(refresh))))
 
     def latest_step(self, *, refresh: bool = False) -> int | None:
-        """The newest committed step, or None when the run has none."""
+        """The newest committed step, or None when the run has none. With a local tier, the newest step complete on
+        some tier; :class:`~dcp_cloud.errors.StepLostError` where steps were committed but none can be assembled
+        from the surviving copies (see :meth:`load`)."""
         found = self.steps(refresh=refresh)
         return found[-1] if found else None
 
@@ -362,12 +364,25 @@ class CheckpointManager:
                     number,
                     latest,
                 )
-            name = view[number].name if number in view else local.get(number, self.naming.name(number))
+            tiers = self._tiers
+            lost = tiers.lost.get(number) if tiers is not None else None
+            replace = False
+            if tiers is not None and lost is not None:
+                replace = bool(overwrite) or number in tiers.loaded_past
+                if not replace:
+                    raise StepExistsError(
+                        f"{tiers.describe_lost(number)}. Pass overwrite=True to save it again over its remains, or "
+                        "call discard_lost() first (it deletes the remains of every lost step)",
+                        number,
+                        latest,
+                    )
+            default = lost.name if lost is not None else self.naming.name(number)
+            name = view[number].name if number in view else local.get(number, default)
             below = [s for s in view if s < number]
             base = view[max(below)].name if self.incremental and below and self._tiers is None else None
-            return name, base, info
+            return name, base, info, replace
 
-        name, base, info = self._rank0(plan, check)
+        name, base, info, replace = self._rank0(plan, check)
         record = {
             "step": int(step),
             "metadata": info if lead else {},
@@ -378,7 +393,7 @@ class CheckpointManager:
             if self._tiers is not None:
                 if overwrite:
                     self._tiers.tiers.undrain(name)  # this node's copy is replaced: its drain is due again
-                writer = self._tiers.tiers.writer(name, overwrite=bool(overwrite), record=record)
+                writer = self._tiers.tiers.writer(name, overwrite=bool(overwrite or replace), record=record)
                 self._tiers.tiers.in_flight = name
             else:
                 writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
@@ -448,6 +463,12 @@ class CheckpointManager:
         """Load the newest committed step (or ``step``) into ``state``, resharded onto this job's ranks, and
         return its step; None when the run has no committed step yet (nothing to resume from).
 
+        With a local tier, a step whose files are no longer all on the job's nodes and that the object store
+        does not hold is *lost*: the load takes the newest step complete on some tier, with one warning naming
+        the lost steps, and raises :class:`~dcp_cloud.errors.StepLostError` on every rank where no step is
+        complete anywhere (or ``step`` is lost), never None. The error names the files lost and the ranks that
+        wrote them; :meth:`discard_lost` starts the run afresh explicitly.
+
         ``state`` is what ``dcp.load`` takes (model and optimizer state dicts, ``Stateful`` objects). While it
         loads, a lease in the root keeps every job's retention away from that step. The newest step is the
         newest this manager knows of (rank 0 lists the root when it is made); ``refresh=True`` lists again, for a
@@ -473,6 +494,15 @@ class CheckpointManager:
         )
         driver.recover(self._view.current)  # after the load: it waits for nothing the load needs
         return loaded
+
+    def discard_lost(self) -> list[int]:
+        """Delete the remains of the lost steps (see :meth:`load`) from every node's local tier, and return them,
+        oldest first: what a job that chooses to start afresh calls before its first save. The object store is
+        listed anew first (a step it holds is never lost); [] without a local tier. Collective."""
+        self._check_open()
+        if self._tiers is None:
+            return []
+        return self._tiers.discard_lost(lambda: self._view.current(True))
 
     def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
         return load_from_root(self, state, step, planner, refresh)

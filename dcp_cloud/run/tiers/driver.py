@@ -9,22 +9,32 @@ the tiers).
 * a job's first save or load finds the steps committed locally but not in the
   object store (a job that stopped before their drain) and drains them;
 * ``load`` takes the newest step complete on some tier: the local tiers (with
-  peers' copies) when they hold it, else the object store.
+  peers' copies) when they hold it, else the object store;
+* a step committed on the local tiers whose files are no longer all on the
+  job's nodes, and that the object store does not hold, is *lost*: never taken
+  for an empty run. A load takes the newest step complete somewhere, with one
+  warning naming the newer lost steps; where none is, every rank raises
+  :class:`~dcp_cloud.errors.StepLostError`, naming the files and the ranks that
+  wrote them. A save of a lost step is refused (unless it replaces it, or the
+  job loaded past it), and :meth:`TierDriver.discard_lost` starts afresh.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError
+from ...dcp.layout import METADATA_NAME
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError, StepLostError
 from ..group import exchange
 from ..naming import check_step
-from .plan import Tiers, complete_steps, known_steps
+from .plan import LostStep, Tiers, complete_steps, known_steps, lost_steps
 from .restore import load_local
 from .runtime import LocalTiers
 from .tasks import drain, replicate, retain
@@ -50,6 +60,11 @@ class TierDriver:
         self._prefetched: Future[dict[int, Any]] | None = None
         #: When listing the object store last failed (rank 0): it is not asked again for a while.
         self._remote_failed_at: float | None = None
+        #: Rank 0: the lost steps as the last look at the tiers found them (see :func:`.plan.lost_steps`).
+        self.lost: dict[int, LostStep] = {}
+        #: Rank 0: lost steps this job loaded past (a load of an older step): its saves of them replace them.
+        self.loaded_past: set[int] = set()
+        self._warned: set[int] = set()
 
     def prefetch(self, listing: Callable[[], dict[int, Any]]) -> None:
         """Rank 0: start listing the object store now, while the local tiers are listed and the newest local step
@@ -112,6 +127,7 @@ class TierDriver:
             if self.tiers.rank() != 0:
                 return []
             there = set(self.remote_steps(remote))
+            self.lost = lost_steps(view, there)
             if self._remote_failed_at is not None:
                 return None  # looked for again at the next save or load
             local = complete_steps(view)
@@ -137,6 +153,7 @@ class TierDriver:
         (``overwrite``: it replaced a committed step, whose drained copy the drain replaces too)."""
         self.tiers.share_control_files(name, group)
         self.tiers.local_steps[step] = name
+        self.lost.pop(step, None)
         if overwrite:
             self.overwritten.add(name)
         self.tiers.worker.submit(lambda: self._after(step, name))
@@ -169,32 +186,122 @@ class TierDriver:
         retain(self.tiers, view)
 
     # -- load ---------------------------------------------------------------------------------
+    def loadable(self, view: Tiers, remote: dict[int, Any]) -> list[int]:
+        """Rank 0: the steps a load can take (complete on the local tiers, or in the object store: ``remote``),
+        oldest first. Lost steps newer than all of them are named in one warning; where no step is loadable but
+        some are lost, :class:`StepLostError` (never an empty answer)."""
+        self.lost = lost_steps(view, remote)
+        found = sorted(set(complete_steps(view)) | set(remote))
+        newest = found[-1] if found else None
+        newer = sorted(s for s in self.lost if newest is None or s > newest)
+        if newer and newest is None:
+            raise self.lost_error(newer[-1], newer, None)
+        fresh = [s for s in newer if s not in self._warned]
+        if fresh:
+            self._warned.update(fresh)
+            log.warning(
+                "%s; step %d, the newest step complete on some tier, is taken instead",
+                self.describe_lost(fresh[-1], fresh),
+                newest,
+            )
+        return found
+
+    def describe_lost(self, step: int, steps: list[int] | None = None) -> str:
+        """Rank 0: what was lost of lost ``step`` (and, in ``steps``, with it)."""
+        steps = steps or [step]
+        lost = self.lost[step]
+        named = [f"{rel} (written by rank {rank})" if rank is not None else rel for rel, rank in lost.files.items()]
+        more = f" and {len(named) - 8} more" if len(named) > 8 else ""
+        unlisted = (
+            " (the object store could not be listed just now: if it holds the step, load again once it answers)"
+            if self._remote_failed_at is not None
+            else ""
+        )
+        text = (
+            f"step {step} of {self.tiers.storage.root_uri} is lost: it was committed on the local tiers "
+            f"({self.tiers.config.path}), but {len(named)} file(s) it names are on no node of this job and the "
+            f"object store does not hold it{unlisted}: {', '.join(named[:8])}{more}"
+        )
+        if len(steps) > 1:
+            text += f". Lost with it: steps {steps[:-1]}"
+        return text
+
+    def lost_error(self, step: int, steps: list[int], older: int | None) -> StepLostError:
+        """Rank 0: the error for lost ``step`` (``steps``: every lost step newer than ``older``, the newest step
+        that can still be loaded)."""
+        go_on = (
+            f"Load step {older}, the newest step complete on some tier, with load(state, step={older}); or bring "
+            "back the lost nodes' local directories and load again"
+            if older is not None
+            else "No older step is complete on any tier. Bring back the lost nodes' local directories and load "
+            "again, or start afresh explicitly: discard_lost() deletes the lost steps' remains from the local tiers"
+        )
+        return StepLostError(
+            f"{self.describe_lost(step, steps)}. {go_on}", step, tuple(steps), self.lost[step].files, older
+        )
+
     def choose(self, view: Tiers, remote: dict[int, str], step: int | None) -> tuple[int, str, str] | None:
         """Rank 0: the step to load, its directory name, and ``"local"`` or ``"object store"``: local where the
         local tiers hold it whole, or hold some of it and the object store the rest (each file from the nearest
-        copy)."""
+        copy). Lost steps raise or are named in a warning (:meth:`loadable`)."""
         local = complete_steps(view)
         known = known_steps(view)
-        if step is not None:
-            if step in local:
-                return step, local[step], "local"
-            if step in remote and step in known:
-                return step, known[step], "local"
-            if step in remote:
-                return step, remote[step], "object store"
-            have = sorted(set(local) | set(remote))
-            raise CheckpointNotFoundError(
-                f"step {step} is complete on no tier of {self.tiers.storage.root_uri} (local tier "
-                f"{self.tiers.config.path} and its peers, or the object store); complete steps: {have[-10:] or 'none'}"
-            )
-        newest = max([*local, *remote], default=None)
-        if newest is None:
+        if step is None:
+            found = self.loadable(view, remote)
+        else:
+            self.lost = lost_steps(view, remote)
+            found = sorted(set(local) | set(remote))
+            if step in self.lost:
+                raise self.lost_error(step, [step], max([s for s in found if s < step], default=None))
+            if step not in local and step not in remote:
+                raise CheckpointNotFoundError(
+                    f"step {step} is complete on no tier of {self.tiers.storage.root_uri} (local tier "
+                    f"{self.tiers.config.path} and its peers, or the object store); complete steps: "
+                    f"{found[-10:] or 'none'}"
+                )
+        chosen = step if step is not None else (found[-1] if found else None)
+        if chosen is None:
             return None
-        if newest in local:
-            return newest, local[newest], "local"
-        if newest in known:
-            return newest, known[newest], "local"
-        return newest, remote[newest], "object store"
+        self.loaded_past.update(s for s in self.lost if s > chosen)
+        if chosen in local:
+            return chosen, local[chosen], "local"
+        if chosen in known:
+            return chosen, known[chosen], "local"
+        return chosen, remote[chosen], "object store"
+
+    def discard_lost(self, remote: Callable[[], dict[int, Any]]) -> list[int]:
+        """Collective: delete the lost steps' remains from every node's local tier (the object store is listed
+        anew: a step it holds is never discarded); the steps discarded, oldest first."""
+        self.wait()  # the tier worker's passes first: none may run beside the deletions
+        view = self.tiers.gather()
+
+        def find() -> list[tuple[int, str]]:
+            if self.tiers.rank() != 0:
+                return []
+            lost = lost_steps(view, remote())  # raises where the store cannot be listed: nothing is deleted then
+            return sorted((s, found.name) for s, found in lost.items())
+
+        found = exchange(self.tiers.groups, find)[0]
+
+        def delete() -> None:
+            if not self.tiers.is_leader():
+                return
+            for _, name in found:
+                directory = self.tiers.step_dir(name)
+                try:
+                    os.unlink(os.path.join(directory, METADATA_NAME))  # no longer committed here, first
+                except FileNotFoundError:
+                    pass
+                shutil.rmtree(directory, ignore_errors=True)
+
+        exchange(self.tiers.groups, delete)
+        steps = [s for s, _ in found]
+        for s in steps:
+            self.lost.pop(s, None)
+            self.tiers.local_steps.pop(s, None)
+        if steps and self.tiers.rank() == 0:
+            log.warning("discarded the lost steps %s from the local tiers of %s", steps, self.tiers.storage.root_uri)
+        return steps
 
     def load(
         self,

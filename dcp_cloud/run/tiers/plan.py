@@ -3,6 +3,9 @@
 * :func:`complete_steps`: the steps whose every file is on some surviving
   node (and whose ``.metadata`` is on one): these load with no object-store
   read;
+* :func:`lost_steps`: the steps committed on some node whose files are not
+  all on the surviving nodes and that the object store does not hold either:
+  they can no longer be loaded, and must never look absent;
 * :func:`restore_moves`: before a load from the local tiers, which files
   each node lacks for what its ranks will read, and where each comes from:
   a rank of another node that holds it (over the process group), else the
@@ -14,8 +17,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME
 from .listing import LocalStep
@@ -90,6 +93,31 @@ def known_steps(tiers: Tiers) -> dict[int, str]:
         for name, found in listing.items():
             if found.committed and found.needs is not None:
                 out.setdefault(found.step, name)
+    return out
+
+
+@dataclass(frozen=True)
+class LostStep:
+    """A step committed on the local tiers that cannot be assembled from the surviving copies."""
+
+    step: int
+    #: Its directory name.
+    name: str
+    #: The files no surviving node holds: relative path -> the rank that wrote it (None where the name does not say).
+    files: dict[str, int | None] = field(default_factory=dict)
+
+
+def lost_steps(tiers: Tiers, remote: Collection[int]) -> dict[int, LostStep]:
+    """The steps whose metadata some node holds, that are not complete on the nodes (:func:`complete_steps`) and
+    not among ``remote`` (the object store's committed steps), by step."""
+    complete = complete_steps(tiers)
+    out: dict[int, LostStep] = {}
+    for step, name in known_steps(tiers).items():
+        if step in complete or step in remote:
+            continue
+        needs = tiers.needs(name) or frozenset()
+        missing = sorted(f for f in (*needs, METADATA_NAME) if not tiers.holders(name, f))
+        out[step] = LostStep(step, name, {f: writer_rank(f) for f in missing})
     return out
 
 
@@ -186,11 +214,13 @@ def drain_plan(tiers: Tiers, name: str) -> DrainPlan:
 
 __all__ = [
     "DrainPlan",
+    "LostStep",
     "Move",
     "Tiers",
     "complete_steps",
     "drain_plan",
     "known_steps",
+    "lost_steps",
     "restore_moves",
     "writer_rank",
 ]

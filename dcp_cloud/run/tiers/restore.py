@@ -50,13 +50,13 @@ def wanted_files(step_dir: str, state: dict[str, Any], planner: Any, coordinator
         return every
 
 
-def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> int:
-    """Whole files of step ``name`` from the object store into this node's copy (CRC32C checked)."""
+def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> dict[str, int]:
+    """Whole files of step ``name`` from the object store into this node's copy (CRC32C checked); their sizes."""
     from ...maintenance.common import _open
     from ...maintenance.copying import stream_objects
 
     if not relatives:
-        return 0
+        return {}
     directory = tiers.step_dir(name)
     with open(os.path.join(directory, METADATA_NAME), "rb") as f:
         metadata = load_metadata(f.read(), f"{directory}/{METADATA_NAME}")
@@ -64,11 +64,39 @@ def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> int:
     try:
         dst = _open(directory, None, None, {}, root=False)
         try:
-            return stream_objects(src, dst, metadata, relatives)
+            stream_objects(src, dst, metadata, relatives)
         finally:
             dst.close()
     finally:
         src.close()
+    return {rel: os.path.getsize(os.path.join(directory, rel)) for rel in relatives}
+
+
+def _fetchers(fetches: list[tuple[int, str]]) -> dict[str, int]:
+    """The one rank that fetches each file no node holds (of those that want it, the one fetching fewest files):
+    every file crosses from the object store once per job, whatever the number of nodes that read it."""
+    wanting: dict[str, list[int]] = {}
+    for rank, relative in fetches:
+        wanting.setdefault(relative, []).append(rank)
+    count: dict[int, int] = {}
+    chosen: dict[str, int] = {}
+    for relative in sorted(wanting):
+        rank = min(wanting[relative], key=lambda r: (count.get(r, 0), r))
+        count[rank] = count.get(rank, 0) + 1
+        chosen[relative] = rank
+    return chosen
+
+
+def _move(tiers: LocalTiers, moves: list[FileMove], directory: str) -> None:
+    if not moves:
+        return
+    group = tiers.groups.control()
+    moved = move_files(
+        group if tiers.groups.active else None, moves, directory, directory, chunk_bytes=tiers.config.chunk_bytes
+    )
+    tiers.stats.peer_bytes_sent += moved.bytes_sent
+    tiers.stats.peer_bytes_received += moved.bytes_received
+    tiers.stats.restored_from_peers += moved.bytes_received
 
 
 def _bring(
@@ -80,8 +108,9 @@ def _bring(
     exclude: frozenset[tuple[int, str]],
     remote: bool,
 ) -> dict[tuple[int, str], int]:
-    """Move what each node lacks (collective, control group); returns where each received file came from:
-    ``(node, relative) -> source node`` (-1: the object store)."""
+    """Move what each node lacks (collective, control group): from a peer node that holds it, else fetched from
+    the object store by one node and sent on to the others that want it. Returns where each received file came
+    from: ``(node, relative) -> source node`` (-1: the object store)."""
     moves, fetches = restore_moves(view, name, wants, control=control, exclude=exclude)
     if fetches and not remote:
         raise CorruptCheckpointError(
@@ -89,23 +118,17 @@ def _bring(
             "step is not in the object store"
         )
     directory = tiers.step_dir(name)
-    group = tiers.groups.control()
-    if moves:
-        moved = move_files(
-            group if tiers.groups.active else None,
-            [FileMove(*m) for m in moves],
-            directory,
-            directory,
-            chunk_bytes=tiers.config.chunk_bytes,
-        )
-        tiers.stats.peer_bytes_sent += moved.bytes_sent
-        tiers.stats.peer_bytes_received += moved.bytes_received
-        tiers.stats.restored_from_peers += moved.bytes_received
+    _move(tiers, [FileMove(*m) for m in moves], directory)
     me = tiers.rank()
-    got = exchange(tiers.groups, lambda: _fetch_remote(tiers, name, [f for r, f in fetches if r == me]))
-    tiers.stats.restored_from_object_store += int(got[me] or 0)
+    fetchers = _fetchers(fetches)
+    got = exchange(tiers.groups, lambda: _fetch_remote(tiers, name, sorted(f for f, r in fetchers.items() if r == me)))
+    tiers.stats.restored_from_object_store += sum((got[me] or {}).values())
+    sizes = {relative: size for fetched in got for relative, size in (fetched or {}).items()}
+    onward = [FileMove(fetchers[rel], rank, rel, sizes[rel]) for rank, rel in fetches if fetchers[rel] != rank]
+    _move(tiers, onward, directory)
     source = {(view.nodes[dst], rel): view.nodes[src] for src, dst, rel, _ in moves}
-    source.update({(view.nodes[r], rel): -1 for r, rel in fetches})
+    source.update({(view.nodes[r], rel): -1 for rel, r in fetchers.items()})
+    source.update({(view.nodes[m.dst], m.name): view.nodes[m.src] for m in onward})
     return source
 
 
