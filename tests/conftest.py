@@ -226,3 +226,23 @@ def assert_same_state(actual: Any, expected: Any, path: str = "") -> None:
 def assert_same() -> Any:
     """``assert_same(actual, expected)``: nested state equality, tensors bit for bit."""
     return assert_same_state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _persistent_worlds(request: pytest.FixtureRequest) -> Any:
+    """The session's multi-rank tests share spawned gloo worlds, one per size (``run_ranks``), instead of
+    spawning one per call; each call still starts as a fresh rank would, and a failure replaces its world."""
+    from dcp_cloud.testing.multirank import persistent_worlds
+
+    with persistent_worlds() as worlds:
+        request.config.stash[_WORLDS] = worlds
+        yield worlds
+
+
+_WORLDS = pytest.StashKey[Any]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    worlds = config.stash.get(_WORLDS, None)
+    if worlds is not None and worlds.calls:
+        terminalreporter.write_line(f"persistent worlds: {worlds.started} started for {worlds.calls} multi-rank calls")

@@ -302,6 +302,7 @@ def _fail_midway_on_rank_1(rank: int, world: int, root: str, phase: str) -> tupl
     with route_cpu():
         if phase == "load":
             dcp.save(state, storage_writer=LocalWriter(f"{root}/c", staging=SMALL))
+        mover_for = devicering.mover_for
         if rank == 1:
             devicering.mover_for = lambda device: FailingMover(after=2)  # type: ignore[assignment]
         started = time.monotonic()
@@ -317,6 +318,8 @@ def _fail_midway_on_rank_1(rank: int, world: int, root: str, phase: str) -> tupl
                     dcp_cloud.load(target, storage_reader=LocalReader(f"{root}/c", staging=SMALL, transfer=SMALL_READS))
         except Exception as exc:  # noqa: BLE001 - what each rank saw
             return type(exc).__name__, time.monotonic() - started, os.path.exists(f"{root}/c/.metadata")
+        finally:
+            devicering.mover_for = mover_for  # the rank's process runs the next call of its world too
     return "", time.monotonic() - started, os.path.exists(f"{root}/c/.metadata")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_cloud.testing.multirank import RankFailedError, run_ranks, run_single
+from dcp_cloud.testing.multirank import RankFailedError, persistent_worlds, run_ranks, run_single
 
 pytestmark = pytest.mark.multirank
 
@@ -156,3 +156,70 @@ def test_bad_arguments_fail_fast() -> None:
         run_ranks(1, lambda rank, world_size: rank)
     with pytest.raises(ValueError, match="timeout"):
         run_single(_no_group, 1, timeout=0)
+
+
+def _call_state(rank: int, world_size: int, leave: bool) -> dict:
+    """What a call sees of its rank's process, and (``leave``) what it leaves behind for the next call."""
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    seen = {
+        "pid": os.getpid(),
+        "sum": int(total.item()),
+        "marker": os.environ.get("DCP_CLOUD_TEST_MARKER"),
+        "left": os.environ.get("DCP_CLOUD_TEST_LEFT"),
+        "launcher": os.environ.get("DCP_CLOUD_TEST_LAUNCHER"),
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "random": torch.randn(3).tolist(),  # a fresh process's generator: the same numbers on every call
+        "dtype": str(torch.get_default_dtype()),
+        "handlers": len(logging.getLogger("dcp_cloud.test").handlers),
+        "filters": len(warnings.filters),
+    }
+    if leave:
+        os.environ["DCP_CLOUD_TEST_LEFT"] = "left"
+        os.chdir("/")
+        torch.set_default_dtype(torch.float64)
+        logging.getLogger("dcp_cloud.test").addHandler(logging.NullHandler())
+        warnings.filterwarnings("ignore", message="left behind")
+    return seen
+
+
+def test_persistent_worlds_reuse_ranks_and_each_call_starts_as_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with persistent_worlds() as worlds:
+        first = run_ranks(3, _call_state, True, env={"DCP_CLOUD_TEST_MARKER": "m1"}, threads=1)
+        monkeypatch.setenv("DCP_CLOUD_TEST_LAUNCHER", "set after the world started")
+        second = run_ranks(3, _call_state, False, env={"DCP_CLOUD_TEST_MARKER": "m2"}, threads=2)
+        assert (worlds.started, worlds.calls) == (1, 2)
+    assert [a["pid"] for a in first] == [b["pid"] for b in second]  # the same ranks ran both calls
+    for a, b in zip(first, second, strict=True):
+        assert a["sum"] == b["sum"] == 6
+        assert (a["marker"], b["marker"]) == ("m1", "m2") and a["left"] is b["left"] is None
+        assert (a["launcher"], b["launcher"]) == (None, "set after the world started")
+        assert a["cwd"] == b["cwd"] == str(tmp_path) and (a["threads"], b["threads"]) == (1, 2)
+        assert a["random"] == b["random"] and a["dtype"] == b["dtype"] == "torch.float32"
+        assert a["handlers"] == b["handlers"] == 0 and a["filters"] == b["filters"]
+    for state in first:
+        assert _gone(state["pid"])  # the block's end stopped the world
+
+
+def test_a_failure_in_a_persistent_world_replaces_it(tmp_path: Path) -> None:
+    with persistent_worlds() as worlds:
+        before = run_ranks(2, _call_state, False)
+        with pytest.raises(RankFailedError) as info:
+            run_ranks(2, _fail_on_rank_1, str(tmp_path))
+        assert "boom-marker from rank 1" in info.value.failures[1]
+        for rank in (0, 1):  # rank 0 waited in a barrier for rank 1: killed, not left waiting
+            assert _gone(int((tmp_path / f"rank{rank}").read_text()))
+        after = run_ranks(2, _call_state, False)
+        assert worlds.started == 2
+    assert {s["pid"] for s in before}.isdisjoint(s["pid"] for s in after)
+    assert [s["sum"] for s in after] == [3, 3]

@@ -26,6 +26,11 @@ No process outlives the call: each rank runs in its own process group (so
 whatever it starts is killed with it) and is killed by the kernel if the
 launching thread dies (``PR_SET_PDEATHSIG`` on Linux); the launcher kills and
 reaps everything in a ``finally``.
+
+Inside :func:`persistent_worlds` (a test suite's session, say), :func:`run_ranks`
+reuses the ranks an earlier call started instead (see :mod:`.worlds`): each
+call still sees a fresh rank's environment, and any failure replaces the world.
+``fresh=True`` asks for new processes anyway.
 """
 
 from __future__ import annotations
@@ -35,15 +40,15 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
-import signal
-import socket
-import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["RankFailedError", "run_ranks", "run_single"]
+from .rankprocs import PortTaken, RankFailedError, collect, die_with_parent, free_port, kill, outcome, reap, wait_exit
+from .worlds import Worlds
+
+__all__ = ["RankFailedError", "persistent_worlds", "run_ranks", "run_single"]
 
 T = TypeVar("T")
 
@@ -51,44 +56,25 @@ T = TypeVar("T")
 FAILURE_GRACE_S = 5.0
 #: How often the rendezvous is retried when the chosen port was taken meanwhile.
 _PORT_ATTEMPTS = 3
-_PR_SET_PDEATHSIG = 1
-_ADDRESS_IN_USE = ("address already in use", "eaddrinuse")
+#: The worlds of the innermost :func:`persistent_worlds` block (None: every call spawns its ranks).
+_worlds: Worlds | None = None
+
+# The process plumbing under the names other launchers of ranks import.
+_die_with_parent, _free_port, _kill, _wait_exit = die_with_parent, free_port, kill, wait_exit
 
 
-class RankFailedError(RuntimeError):
-    """One or more launched processes raised, died, or hung.
-
-    ``failures`` maps each failed rank to its traceback text (or a note on how
-    it died); ``hung`` lists the ranks that had not finished at the timeout.
-    """
-
-    def __init__(self, message: str, failures: Mapping[int, str] | None = None, hung: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.failures = dict(failures or {})
-        self.hung = list(hung)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.failures, self.hung))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Own process group, and SIGKILL from the kernel when the launcher dies (Linux)."""
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(Exception):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os._exit(1)
+@contextlib.contextmanager
+def persistent_worlds() -> Iterator[Worlds]:
+    """Within the block, :func:`run_ranks` runs each call on a world of that size kept from an earlier call (one
+    is started where none is alive); every world is stopped when the block ends. Yields the worlds (their
+    ``started`` and ``calls`` counts)."""
+    global _worlds
+    outer, _worlds = _worlds, Worlds()
+    try:
+        yield _worlds
+    finally:
+        worlds, _worlds = _worlds, outer
+        worlds.close()
 
 
 def _child_main(
@@ -102,7 +88,7 @@ def _child_main(
     threads: int | None,
 ) -> None:
     """Entry point of every launched process; reports ("ok"|"err"|"init", bytes|str) on ``conn``."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     os.environ.update(env)
     phase = "init"
     dist = None
@@ -134,40 +120,6 @@ def _child_main(
                 dist.destroy_process_group()
 
 
-def _unreaped(proc: mp.process.BaseProcess) -> bool:
-    """Whether ``proc`` has not been reaped yet (running, or a zombie), without reaping it.
-
-    While it is unreaped its pid (and the process group id it leads) cannot be
-    reused, so signalling them cannot hit someone else's process.
-    """
-    if proc.pid is None:
-        return False
-    try:
-        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return True
-
-
-def _kill(proc: mp.process.BaseProcess) -> None:
-    """SIGKILL the process and its whole group (it leads one), unless it was already reaped."""
-    if not _unreaped(proc):
-        return
-    assert proc.pid is not None
-    for kill in (os.killpg, os.kill):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            kill(proc.pid, signal.SIGKILL)
-
-
-def _wait_exit(proc: mp.process.BaseProcess, timeout: float) -> None:
-    """Wait until ``proc`` has exited, without reaping it."""
-    mpc.wait([proc.sentinel], timeout=max(0.0, timeout))
-
-
-class _PortTaken(Exception):
-    pass
-
-
 def _launch(
     count: int,
     fn: Callable[..., Any],
@@ -176,6 +128,7 @@ def _launch(
     timeout: float,
     distributed: bool,
     threads: int | None,
+    fresh: bool = True,
 ) -> list[Any]:
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
@@ -187,11 +140,16 @@ def _launch(
             "to run in a spawned process"
         ) from exc
     env_dict = {str(k): str(v) for k, v in (env or {}).items()}
+    if distributed and not fresh and _worlds is not None:
+        try:
+            return _worlds.run(count, payload, env_dict, threads, timeout, FAILURE_GRACE_S)
+        except PortTaken as exc:
+            raise RankFailedError(str(exc)) from None
     deadline = time.monotonic() + timeout
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _launch_once(count, payload, env_dict, deadline, timeout, distributed, threads)
-        except _PortTaken as exc:
+        except PortTaken as exc:
             if attempt == _PORT_ATTEMPTS - 1:
                 raise RankFailedError(str(exc)) from None
     raise AssertionError("unreachable")
@@ -207,12 +165,10 @@ def _launch_once(
     threads: int | None,
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
-    port = _free_port() if distributed else None
+    port = free_port() if distributed else None
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, mpc.Connection] = {}
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    init_failures: dict[int, str] = {}
+    done = False
     try:
         for rank in range(count):
             recv, send = ctx.Pipe(duplex=False)
@@ -225,66 +181,16 @@ def _launch_once(
             send.close()
             procs.append(proc)
             conns[rank] = recv
-        grace_deadline: float | None = None
-        waiting = dict(conns)  # rank -> connection still expected to report
-        while waiting:
-            now = time.monotonic()
-            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
-            if now >= limit:
-                break
-            ready = mpc.wait(list(waiting.values()), timeout=limit - now)
-            for rank in [r for r, c in waiting.items() if c in ready]:
-                conn = waiting.pop(rank)
-                try:
-                    status, body = conn.recv()
-                except (EOFError, OSError):
-                    _wait_exit(procs[rank], 5.0)
-                    failures[rank] = f"rank {rank} exited without reporting a result (killed, or it called os._exit)"
-                    continue
-                if status == "ok":
-                    results[rank] = pickle.loads(body)
-                elif status == "init":
-                    init_failures[rank] = failures[rank] = body
-                else:
-                    failures[rank] = body
-            if failures and grace_deadline is None:
-                grace_deadline = time.monotonic() + FAILURE_GRACE_S
-        if failures:
-            if any(any(s in text.lower() for s in _ADDRESS_IN_USE) for text in init_failures.values()):
-                raise _PortTaken(f"the rendezvous port {port} was taken by another process:\n" + _describe(failures))
-            raise RankFailedError(_failure_message(count, failures, sorted(waiting)), failures, sorted(waiting))
-        if waiting:
-            hung = sorted(waiting)
-            raise RankFailedError(
-                f"rank(s) {hung} of {count} did not finish within {timeout:.0f} s and were killed "
-                f"(finished: {sorted(results)})",
-                {},
-                hung,
-            )
-        return [results[rank] for rank in range(count)]
+        reports = collect(conns, procs, deadline, FAILURE_GRACE_S)
+        done = not reports.failures and len(reports.results) == len(procs)
+        return outcome(count, reports, timeout, port)
     finally:
-        if not failures and len(results) == len(procs):
+        if done:
             for proc in procs:  # they have reported: give them time to tear down and exit
-                _wait_exit(proc, 30.0)
-        for proc in procs:
-            _kill(proc)  # before reaping: also kills anything a rank left in its process group
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():  # pragma: no cover - SIGKILL cannot be ignored
-                raise RankFailedError(f"could not kill launched process {proc.pid}")
+                wait_exit(proc, 30.0)
+        reap(procs)
         for conn in conns.values():
             conn.close()
-
-
-def _describe(failures: Mapping[int, str]) -> str:
-    return "\n".join(f"--- rank {rank} ---\n{text.rstrip()}" for rank, text in sorted(failures.items()))
-
-
-def _failure_message(count: int, failures: Mapping[int, str], unfinished: Sequence[int]) -> str:
-    head = f"{len(failures)} of {count} rank(s) failed: {sorted(failures)}"
-    if unfinished:
-        head += f"; killed rank(s) {list(unfinished)} that had not finished"
-    return f"{head}\n{_describe(failures)}"
 
 
 def run_ranks(
@@ -294,6 +200,7 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     timeout: float = 300.0,
     threads: int | None = 1,
+    fresh: bool = False,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks of a gloo group.
 
@@ -303,10 +210,12 @@ def run_ranks(
     ``threads`` is passed to ``torch.set_num_threads`` (None leaves torch's
     default). Raises :class:`RankFailedError` if a rank raises, dies or does
     not finish within ``timeout`` seconds (all ranks are killed then).
+    Inside :func:`persistent_worlds` the ranks of an earlier call of the same
+    ``world_size`` run it, unless ``fresh``.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    return _launch(world_size, fn, args, env, timeout, distributed=True, threads=threads)
+    return _launch(world_size, fn, args, env, timeout, distributed=True, threads=threads, fresh=fresh)
 
 
 def run_single(
