@@ -234,6 +234,9 @@ def _persistent_worlds(request: pytest.FixtureRequest) -> Any:
     spawning one per call; each call still starts as a fresh rank would, and a failure replaces its world."""
     from dcp_cloud.testing.multirank import persistent_worlds
 
+    if os.environ.get("DCP_CLOUD_FRESH_WORLDS") == "1":  # every call in new processes, as a user's suite runs
+        yield None
+        return
     with persistent_worlds() as worlds:
         request.config.stash[_WORLDS] = worlds
         yield worlds
@@ -246,3 +249,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     worlds = config.stash.get(_WORLDS, None)
     if worlds is not None and worlds.calls:
         terminalreporter.write_line(f"persistent worlds: {worlds.started} started for {worlds.calls} multi-rank calls")
+
+
+# --------------------------------------------------------------------------
+# Expected skips: a run of the whole suite fails when a skip appears, disappears or changes its reason
+# (tests/skip_ledger.py, against the list in tests/expected_skips.txt).
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import skip_ledger
+
+    skip_ledger.pytest_configure(config)

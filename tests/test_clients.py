@@ -163,24 +163,31 @@ def test_an_azure_reader_opens_its_connections_while_its_first_request_is_on_its
 def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(
     s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    store: Any
-    if backend == "s3":
-        store = S3Store("bucket", S3Config(endpoint_url=endpoint), request_timeout=2.0)
-    elif backend == "azure":
-        from dcp_cloud.store.azure import AzureConfig, AzureStore
-        from dcp_cloud.testing.azurite import KEY
+    """The endpoint takes no connection: its accept queue is full, so every connect hangs (SYNs dropped) until
+    the listener closes. ``warm`` returns while all its connects still hang; once they fail, the next request
+    reports the endpoint."""
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        filler.connect(("127.0.0.1", port))  # the one connection the queue holds: the others wait for room
+        endpoint = f"http://127.0.0.1:{port}"
+        store: Any
+        if backend == "s3":
+            store = S3Store("bucket", S3Config(endpoint_url=endpoint), request_timeout=60.0)
+        elif backend == "azure":
+            from dcp_cloud.store.azure import AzureConfig, AzureStore
+            from dcp_cloud.testing.azurite import KEY
 
-        monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
-        store = AzureStore("bucket", AzureConfig(endpoint=f"{endpoint}/devstoreaccount1"), request_timeout=2.0)
-    else:
-        store = GCSStore("bucket", GCSConfig(endpoint=endpoint), request_timeout=2.0)
-    started = time.monotonic()
-    store.warm(4)
-    assert time.monotonic() - started < 0.5
-    assert _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "dcp_cloud-warm"], 5.0)
+            monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
+            store = AzureStore("bucket", AzureConfig(endpoint=f"{endpoint}/devstoreaccount1"), request_timeout=60.0)
+        else:
+            store = GCSStore("bucket", GCSConfig(endpoint=endpoint), request_timeout=60.0)
+        store.warm(4)
+        warming = [t for t in threading.enumerate() if t.name == "dcp_cloud-warm"]
+        assert len(warming) == 4 and all(t.is_alive() for t in warming), warming  # returned with all 4 hanging
+    for thread in warming:  # the listener is gone: each connect is refused at its SYN's next retry
+        thread.join(60.0)
+    assert not any(t.is_alive() for t in warming)
     with pytest.raises(TransientStoreError, match="endpoint"):  # the request reports what the warm-up swallowed
         store.head("k")

@@ -21,9 +21,13 @@ An HTML comment on the line above a block (invisible in the rendered page) chang
 * ``<!-- docs-test: endpoint=URL -->``: URL (an S3-compatible server's) is replaced by the moto
   server's endpoint, in a block of any kind.
 
-Every block that loads a checkpoint checks what it loaded (an ``assert``, or a ``check=``): the values
-against what was saved and the step restored, into a state that held other values, so that a load that
-does nothing fails this test.
+Every block that loads a checkpoint checks what it loaded, so that a load that does nothing fails this
+test. While a page runs, every call of ``dcp.load``, ``dcp_cloud.load`` and ``CheckpointManager.load``
+made by a block (in this process, on its ranks, in its pytest process) is recorded with the state it
+loaded into, before and after (see ``docs_loads``): every tensor of that state must have held other
+values before the load, and an assertion of the block after the call (or its ``check=``) must name the
+state it loaded into. Every ``.load(...)`` call of the blocks must have run through one of those loaders.
+A load that raised, and a manager's ``load`` that found no step to resume from, load nothing.
 
 The benchmark pages (docs/benchmarks/) are not run: their blocks are the commands that printed the
 published figures, not examples.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -43,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from docs_loads import Block as LoadBlock
+from docs_loads import LoadCall, LoadRecorder, load_problems
 
 from dcp_cloud.testing.multirank import run_ranks
 
@@ -97,11 +104,13 @@ def train_step():
 train_step()
 """,
     # The same model sharded with FSDP2 over a CPU mesh of all ranks (33 rows: uneven over 2 and 3 ranks).
+    # Two optimizer steps: a fresh job's optimizer state (torch's get_state_dict steps it once) differs.
     "fsdp2": _FSDP2_MODEL.format(seed=0)
     + """
-model(torch.randn(8, 16)).pow(2).mean().backward()
-optimizer.step()
-optimizer.zero_grad()
+for _ in range(2):
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
 step = 1000
 """,
     # A job restarted from a checkpoint: the same model, other weights (a fresh initialisation), at step 0.
@@ -122,10 +131,6 @@ assert step == 1000, step
 }
 # The same for weights alone (a safetensors load carries no step).
 CHECKS["fsdp2_weights_restored"] = CHECKS["fsdp2_restored"].replace("assert step == 1000, step\n", "")
-#: A call that loads a checkpoint into a state.
-_LOADS = re.compile(r"\b(?:dcp|dcp_cloud)\.load\(")
-#: A block's own check of what it loaded.
-_CHECKS_INLINE = re.compile(r"^\s*assert\b|\bAssertionError\b", flags=re.M)
 
 _FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->$")
@@ -208,21 +213,6 @@ def test_every_block_is_run_or_counted() -> None:
     )
 
 
-def test_every_load_checks_what_it_loaded() -> None:
-    """A block that loads asserts what it loaded, or names a check (see the module docstring)."""
-    unchecked = [
-        block.where
-        for page in RUN_PAGES
-        for block in parse(page)
-        if block.lang == "python"
-        and "skip" not in block.directives
-        and _LOADS.search(block.code)
-        and not _CHECKS_INLINE.search(block.code)
-        and block.directives.get("check") not in CHECKS
-    ]
-    assert not unchecked, f"these blocks load a checkpoint and check nothing of it: {unchecked}"
-
-
 def test_api_reference_lists_every_public_name() -> None:
     import dcp_cloud
 
@@ -244,13 +234,17 @@ def test_troubleshooting_covers_every_error() -> None:
 # Running a page
 
 
-def _rank_main(rank: int, world_size: int, code: str, setup: str | None, check: str | None, where: str) -> None:
-    """Inside a spawned rank: prepare ``setup``, run the block, then its ``check``."""
+def _rank_main(
+    rank: int, world_size: int, code: str, setup: str | None, check: str | None, where: str
+) -> list[LoadCall]:
+    """Inside a spawned rank: prepare ``setup``, run the block, then its ``check``; returns the block's loads."""
     namespace: dict[str, Any] = {"__name__": "__docs__", "rank": rank, "world_size": world_size}
     if setup:
         exec(compile(SETUPS[setup], f"<setup {setup}>", "exec"), namespace)
-    exec(compile(code, where, "exec"), namespace)
+    with LoadRecorder({where}).installed() as loads:
+        exec(compile(code, where, "exec"), namespace)
     _check(check, namespace, where)
+    return loads.calls
 
 
 def _check(name: str | None, namespace: dict[str, Any], where: str) -> None:
@@ -283,10 +277,31 @@ def _run_cli(block: Block, code: str) -> None:
         )
 
 
-def _run_pytest(block: Block, code: str, tmp_path: Path) -> None:
+#: The conftest of a pytest block's process: it records the block's loads into a file (see ``docs_loads``).
+_RECORDING_CONFTEST = """
+import dataclasses, json, sys
+sys.path.insert(0, {tests!r})
+from docs_loads import LoadRecorder
+_loads = LoadRecorder({{{module!r}}})
+_installed = _loads.installed()
+_installed.__enter__()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _installed.__exit__(None, None, None)
+    with open({out!r}, "w") as f:
+        json.dump([dataclasses.asdict(call) for call in _loads.calls], f)
+"""
+
+
+def _run_pytest(block: Block, code: str, tmp_path: Path) -> tuple[str, list[LoadCall]]:
+    """Run the block as a test module in a pytest process; returns its code name and its loads."""
     module = tmp_path / "docs_block" / "test_docs_block.py"
     module.parent.mkdir()
     module.write_text(code)
+    recorded = tmp_path / "docs_block_loads.json"
+    conftest = _RECORDING_CONFTEST.format(tests=str(ROOT / "tests"), module=str(module), out=str(recorded))
+    (module.parent / "conftest.py").write_text(conftest)
     tests = len(re.findall(r"^def test_", code, flags=re.M))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
@@ -299,6 +314,8 @@ def _run_pytest(block: Block, code: str, tmp_path: Path) -> None:
     assert done.returncode == 0 and re.search(rf"\b{tests} passed\b", summary) and "skipped" not in summary, (
         f"{block.where}: the test module failed or skipped\n{done.stdout}\n{done.stderr}"
     )
+    calls = [LoadCall(**{**c, "unchanged": tuple(c["unchanged"])}) for c in json.loads(recorded.read_text())]
+    return str(module), calls
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -329,24 +346,31 @@ def test_page_examples_run(page: str, request: pytest.FixtureRequest, tmp_path: 
     monkeypatch.chdir(tmp_path)
 
     namespace: dict[str, Any] = {"__name__": "__docs__"}
+    recorder = LoadRecorder({b.where for b in blocks})
+    loads: list[LoadCall] = []
+    ran: list[LoadBlock] = []
     for block in blocks:
         code = block.code
         if "endpoint" in block.directives:
             code = code.replace(block.directives["endpoint"], moto_server.endpoint_url)
         setup = block.directives.get("setup") or None
         check = block.directives.get("check") or None
+        source = block.where
         try:
             if block.lang == "bash":
                 _run_cli(block, code)
             elif "pytest" in block.directives:
-                _run_pytest(block, code, tmp_path)
+                source, calls = _run_pytest(block, code, tmp_path)
+                loads += calls
             elif "ranks" in block.directives:
                 ranks = int(block.directives["ranks"])
-                run_ranks(ranks, _rank_main, code, setup, check, block.where, env=env, timeout=300)
+                for calls in run_ranks(ranks, _rank_main, code, setup, check, block.where, env=env, timeout=300):
+                    loads += calls
             else:
                 if setup:
                     exec(compile(SETUPS[setup], f"<setup {setup}>", "exec"), namespace)
-                exec(compile(code, block.where, "exec"), namespace)
+                with recorder.installed():
+                    exec(compile(code, block.where, "exec"), namespace)
                 _check(check, namespace, block.where)
         except AssertionError:
             raise
@@ -356,3 +380,11 @@ def test_page_examples_run(page: str, request: pytest.FixtureRequest, tmp_path: 
             raise AssertionError(
                 f"{block.where}: the example failed: {type(exc).__name__}: {exc}{detail}\n--- the block:\n{code}"
             ) from exc
+        if block.lang == "python":
+            ran.append(LoadBlock(source, page, block.line, code, checked=check in CHECKS))
+    problems = load_problems(recorder.calls + loads, ran)
+    assert not problems, (
+        "loads that do not show what they loaded (see this module's docstring): load into a state of other "
+        "values (a fresh model, zeros) and assert on what it holds after the load, or name a check=:\n"
+        + "\n".join(problems)
+    )

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import signal
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -104,33 +102,42 @@ def test_two_jobs_save_into_one_bucket_at_once(s3_bucket: str, s3_env: Any) -> N
 
 
 def _save_and_die(rank: int, world_size: int, uri: str) -> None:
-    """Rank 1 SIGKILLs itself after its first item went out as multipart parts."""
-
-    class DyingWriter(S3Writer):
-        def _write_item(self, stream: Any, name: str, item: Any, planner: Any, *rest: Any) -> Any:
-            result = super()._write_item(stream, name, item, planner, *rest)
-            if self.rank == 1:
-                time.sleep(1.0)  # let uploaded parts land
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
+    """Rank 1 SIGKILLs itself once the first part of its object is uploaded (a tripwire on the part's request,
+    after the store answered it): the part is on the server, the multipart upload open, nothing committed."""
+    from dcp_cloud.dcp.backend import S3Backend
+    from dcp_cloud.dcp.writer import CloudWriter
+    from dcp_cloud.store.s3 import S3Config
+    from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
     torch.manual_seed(rank)
     state = {f"rank{rank}.a": torch.randn(1 << 20), f"rank{rank}.b": torch.randn(1 << 20)}
     cfg = TransferConfig(part_size=MOTO_MIN_PART_SIZE, multipart_threshold=MOTO_MIN_PART_SIZE)
-    dcp.save(state, storage_writer=DyingWriter(uri, transfer=cfg, part_limits=MOTO_PART_LIMITS))
+    wire = Tripwire("put_part", "*/__1_*", when="after", action="kill")  # only rank 1 writes __1_ objects
+    backend = TripwireBackend(S3Backend(S3Config(), MOTO_PART_LIMITS), (wire,))
+    dcp.save(state, storage_writer=CloudWriter(uri, backend, transfer=cfg))
 
 
 @pytest.mark.multirank
-def test_rank_killed_mid_save_commits_nothing_and_gc_cleans_up(s3_bucket: str, s3_env: Any) -> None:
+def test_rank_killed_mid_save_commits_nothing_and_gc_cleans_up(
+    s3_bucket: str, s3_env: Any, moto_s3_client: Any
+) -> None:
     root = f"s3://{s3_bucket}/run"
     good = {"w": torch.randn(256, 256)}
     dcp.save(good, storage_writer=S3Writer(f"{root}/step-1"))
-    with pytest.raises(RankFailedError):
+    with pytest.raises(RankFailedError) as failed:
         run_ranks(2, _save_and_die, f"{root}/step-2", env=dict(os.environ), timeout=600)
+    assert "exited without reporting" in failed.value.failures[1], failed.value  # killed by its tripwire
     with pytest.raises(dcp_cloud.CheckpointNotFoundError, match="never finished"):
         S3Reader(f"{root}/step-2")  # leftovers exist, but nothing is committed
+    uploads = moto_s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix="run/step-2/").get("Uploads", [])
+    dying = [u for u in uploads if "/__1_" in u["Key"]]  # rank 1's objects, still being uploaded
+    landed = [
+        moto_s3_client.list_parts(Bucket=s3_bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", [])
+        for u in dying
+    ]
+    assert any(landed), uploads  # the part the tripwire waited for (parts sent beside it may have landed too)
     report = dcp_cloud.gc(root, older_than=0)
-    assert report.deleted_objects or report.aborted_uploads
+    assert {u["Key"] for u in dying} <= set(report.aborted_uploads), report
     assert all("step-1" not in key for key in report.deleted_objects)
     with pytest.raises(dcp_cloud.CheckpointNotFoundError, match="no checkpoint"):
         S3Reader(f"{root}/step-2")  # gc left nothing behind

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors  # noqa: F401 - the reference reader (in the testing extra): a broken install fails here
 import torch
 
 from dcp_cloud.testing.multirank import run_ranks
-
-safetensors = pytest.importorskip("safetensors")
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

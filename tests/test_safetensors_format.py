@@ -8,6 +8,7 @@ import math
 import struct
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,8 +25,6 @@ from dcp_cloud.safetensors.format import (
     parse_index,
 )
 from dcp_cloud.safetensors.plan import assign_files, flat_boxes, plan_stripes, select_tensors
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 _SIMPLE = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"]
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -28,8 +29,6 @@ from dcp_cloud import (
     export_safetensors,
 )
 from dcp_cloud.testing.multirank import run_ranks
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 def _load(state: dict[str, Any], reader: SafetensorsReader, partial: bool = False) -> None:
@@ -93,7 +92,8 @@ def test_reader_loads_safetensors_files_on_each_store(backend, tmp_path: Path) -
 def test_transformers_save_pretrained_loads_and_from_pretrained_loads_an_export(backend, tmp_path: Path) -> None:
     if backend.name != "s3":
         pytest.skip("one store is enough for transformers")
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a hard import (the testing extra has it), here so collection does not pay for it
+
     config = transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=32,

@@ -10,8 +10,10 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 
 import crc32c
 import pytest
@@ -35,6 +37,7 @@ from dcp_cloud.errors import (
 from dcp_cloud.store.gcs import PARTS_MARKER, GCSConfig, GCSStore, _translate
 from dcp_cloud.store.protocol import ObjectStore
 from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
+from dcp_cloud.testing.proxy import FaultPlan, FaultProxy, RequestInfo
 
 
 def raw_names(store: GCSStore) -> list[str]:
@@ -161,10 +164,17 @@ def test_read_into_past_the_end(gcs_store: GCSStore) -> None:
         gcs_store.read_into("obj", -1, [memoryview(bytearray(1))])
 
 
-def test_read_into_zero_bytes_makes_no_request(gcs_emulator: GCSEmulator, gcs_env: dict[str, str]) -> None:
-    store = GCSStore("no-such-bucket-dcp", GCSConfig(endpoint=gcs_emulator.endpoint))
-    store.read_into("whatever", 123, [memoryview(bytearray(0))])
-    store.read_into("whatever", 0, [])
+def test_read_into_zero_bytes_makes_no_request(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """Counted on the wire: reads of nothing send nothing (past the end too), and the next read is one GET."""
+    gcs_store.put("obj", b"0123456789")
+    with FaultProxy(gcs_emulator.endpoint, flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        store.read_into("obj", 123, [memoryview(bytearray(0))])
+        store.read_into("obj", 0, [])
+        assert proxy.snapshot().requests == {}, proxy.snapshot().requests
+        out = bytearray(2)
+        store.read_into("obj", 2, [memoryview(out)])  # the counter sees a read
+        assert dict(proxy.snapshot().requests) == {"GET": 1} and out == b"23", proxy.snapshot().requests
 
 
 def test_short_body_is_transient(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
@@ -243,18 +253,30 @@ def test_read_sends_fresh_credentials(gcs_store: GCSStore, gcs_emulator: GCSEmul
     assert creds.refreshes == 2
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` came of a socket timeout (anywhere down its chain of causes)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (TimeoutError, urllib3.exceptions.TimeoutError, requests.Timeout)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def test_read_stalled_mid_body_times_out_as_transient(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
     """The request timeout bounds every socket read of the body too, not only the wait for the headers."""
     from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
 
     gcs_store.put("obj", os.urandom(1 << 20))
-    plan = FaultPlan(stall=1.0, stall_seconds=5.0, phase="response", when=lambda r: "range" in r.headers)
+    # the proxy holds the rest of the body until the client hangs up (or a minute passed): only the client's own
+    # timeout can end the read, and it must say so (a body cut short would be "ended early")
+    plan = FaultPlan(stall=1.0, stall_seconds=60.0, phase="response", when=lambda r: "range" in r.headers)
     with FaultProxy(gcs_emulator.endpoint, plan, flavor="gcs") as proxy:
         store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url), request_timeout=0.5)
-        started = time.monotonic()
-        with pytest.raises(TransientStoreError, match="connection to GCS failed"):
+        with pytest.raises(TransientStoreError, match="connection to GCS failed") as info:
             store.read_into("obj", 0, [memoryview(bytearray(1 << 20))])
-        assert time.monotonic() - started < 4.0
+        assert proxy.snapshot().faults["stall"] == 1
+    assert _timed_out(info.value), repr(info.value)
 
 
 def test_read_request_to_the_public_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,96 +396,95 @@ def test_missing_component_fails_complete_and_deletes_temporaries(gcs_store: GCS
     assert raw_names(gcs_store) == []
 
 
-def test_failure_in_final_compose(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+class _Composes:
+    """A fault filter of the proxy (``FaultPlan(when=...)``): records the destination of every compose request
+    in the order they arrive, and makes the first one whose destination passes ``refuse`` eligible for the
+    plan's fault (the proxy answers it instead of the emulator)."""
+
+    def __init__(self, refuse: Callable[[str], bool]) -> None:
+        self.refuse = refuse
+        self.seen: list[str] = []
+        self.refused: list[str] = []
+
+    def __call__(self, request: RequestInfo) -> bool:
+        if request.method != "POST" or not request.path.endswith("/compose"):
+            return False
+        dest = urllib.parse.unquote(request.path[: -len("/compose")].rsplit("/o/", 1)[1])
+        self.seen.append(dest)
+        if not self.refused and self.refuse(dest):
+            self.refused.append(dest)
+            return True
+        return False
+
+
+def _through(emulator: GCSEmulator, plan: FaultPlan) -> FaultProxy:
+    return FaultProxy(emulator.endpoint, plan, flavor="gcs")
+
+
+def test_failure_in_final_compose(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
     """Transient: parts and intermediates stay, and the retry only makes the final compose. Permanent: all go."""
     data = os.urandom(40 * 100)
     upload_id, parts = upload_parts(gcs_store, "k", data, 100)
-    real_compose = GCSStore._compose
-    failure: list[Exception] = [api_exceptions.ServiceUnavailable("injected")]
-    composed: list[str] = []
-
-    def flaky(self, dest, sources, *, create_only=False):
-        if dest == "k" and failure:
-            assert temporaries(self) != [] and any("/c01-" in n for n in temporaries(self))
-            raise failure.pop()
-        composed.append(dest)
-        return real_compose(self, dest, sources, create_only=create_only)
-
-    monkeypatch.setattr(GCSStore, "_compose", flaky)
-    with pytest.raises(TransientStoreError) as info:
-        gcs_store.complete_multipart("k", upload_id, parts)
-    assert isinstance(info.value.__cause__, api_exceptions.ServiceUnavailable)
-    left = temporaries(gcs_store)
-    assert len(left) == 43 and sum("/c01-" in n for n in left) == 2  # 40 parts + marker + 2 intermediates
-    assert len(composed) == 2
-    composed.clear()
-    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)  # the retry
-    assert composed == ["k"]  # the intermediates were reused, not composed again
+    composes = _Composes(lambda dest: dest == "k")
+    with _through(gcs_emulator, FaultPlan(slowdown=1.0, when=composes)) as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        with pytest.raises(TransientStoreError) as info:
+            store.complete_multipart("k", upload_id, parts)
+        assert isinstance(info.value.__cause__, api_exceptions.ServiceUnavailable)
+        assert proxy.snapshot().faults["slowdown"] == 1
+        left = temporaries(gcs_store)
+        assert len(left) == 43 and sum("/c01-" in n for n in left) == 2  # 40 parts + marker + 2 intermediates
+        # the final compose came after both intermediates, and was the one refused
+        assert len(composes.seen) == 3 and composes.seen[-1] == "k" and composes.refused == ["k"], composes.seen
+        assert all("/c01-" in dest for dest in composes.seen[:2]), composes.seen
+        composes.seen.clear()
+        assert store.complete_multipart("k", upload_id, parts).size == len(data)  # the retry
+        assert composes.seen == ["k"]  # the intermediates were reused, not composed again
     assert gcs_store.get("k") == data and temporaries(gcs_store) == []
 
     upload_id, parts = upload_parts(gcs_store, "k2", data, 100)
-    failure.append(api_exceptions.Forbidden("injected"))
-    composed.clear()
-    monkeypatch.setattr(
-        GCSStore,
-        "_compose",
-        lambda self, dest, sources, create_only=False: flaky(
-            self, "k" if dest == "k2" else dest, sources, create_only=create_only
-        ),
-    )
-    with pytest.raises(AccessDeniedError):
-        gcs_store.complete_multipart("k2", upload_id, parts)
+    composes = _Composes(lambda dest: dest == "k2")
+    with _through(gcs_emulator, FaultPlan(denied_403=1.0, when=composes)) as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        with pytest.raises(AccessDeniedError):
+            store.complete_multipart("k2", upload_id, parts)
+        assert proxy.snapshot().faults["denied_403"] == 1 and composes.refused == ["k2"]
     assert temporaries(gcs_store) == []
 
 
-def test_retried_complete_does_not_redo_finished_intermediates(
-    gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retried_complete_does_not_redo_finished_intermediates(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
     """One of three intermediates fails: the retry composes only that one and the final object."""
     data = os.urandom(70 * 50)  # 70 parts: intermediates of 32, 32 and 6 parts
     upload_id, parts = upload_parts(gcs_store, "k", data, 50)
-    real_compose = GCSStore._compose
-    calls: list[str] = []
-    fail = {"c01-00001"}
-
-    def flaky(self, dest, sources, *, create_only=False):
-        calls.append(dest)
-        for marker in list(fail):
-            if marker in dest:
-                fail.discard(marker)
-                raise api_exceptions.TooManyRequests("injected")
-        return real_compose(self, dest, sources, create_only=create_only)
-
-    monkeypatch.setattr(GCSStore, "_compose", flaky)
-    with pytest.raises(TransientStoreError):
-        gcs_store.complete_multipart("k", upload_id, parts)
-    assert len(calls) == 3  # all three intermediates were tried, one failed
-    calls.clear()
-    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)
-    assert len(calls) == 2 and "c01-00001" in calls[0] and calls[1] == "k"
+    composes = _Composes(lambda dest: "c01-00001" in dest)
+    with _through(gcs_emulator, FaultPlan(throttle_429=1.0, when=composes)) as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        with pytest.raises(TransientStoreError):
+            store.complete_multipart("k", upload_id, parts)
+        assert len(composes.seen) == 3 and len(composes.refused) == 1  # all three intermediates tried, one failed
+        composes.seen.clear()
+        assert store.complete_multipart("k", upload_id, parts).size == len(data)
+        assert len(composes.seen) == 2 and composes.seen[0] == composes.refused[0] and composes.seen[1] == "k"
     assert gcs_store.get("k") == data and temporaries(gcs_store) == []
 
 
-def test_intermediates_of_re_uploaded_parts_are_not_reused(
-    gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_intermediates_of_re_uploaded_parts_are_not_reused(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
     """A part re-uploaded between two completes changes its generation, hence its intermediate's name."""
     data = bytearray(os.urandom(40 * 50))
     upload_id, parts = upload_parts(gcs_store, "k", bytes(data), 50)
-    real_compose = GCSStore._compose
-    failure = [api_exceptions.ServiceUnavailable("injected")]
-
-    def flaky(self, dest, sources, *, create_only=False):
-        if dest == "k" and failure:
-            raise failure.pop()
-        return real_compose(self, dest, sources, create_only=create_only)
-
-    monkeypatch.setattr(GCSStore, "_compose", flaky)
-    with pytest.raises(TransientStoreError):
-        gcs_store.complete_multipart("k", upload_id, parts)
-    data[0:50] = os.urandom(50)
-    parts[0] = gcs_store.put_part("k", upload_id, 1, bytes(data[0:50]))
-    assert gcs_store.complete_multipart("k", upload_id, parts).size == len(data)
+    composes = _Composes(lambda dest: dest == "k")
+    with _through(gcs_emulator, FaultPlan(slowdown=1.0, when=composes)) as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        with pytest.raises(TransientStoreError):
+            store.complete_multipart("k", upload_id, parts)
+        first = [dest for dest in composes.seen if dest != "k"]
+        data[0:50] = os.urandom(50)
+        parts[0] = store.put_part("k", upload_id, 1, bytes(data[0:50]))
+        composes.seen.clear()
+        assert store.complete_multipart("k", upload_id, parts).size == len(data)
+        # the intermediate holding part 1 was composed again under another name, the other one reused
+        again = [dest for dest in composes.seen if dest != "k"]
+        assert len(first) == 2 and len(again) == 1 and again[0] not in first, (first, composes.seen)
     assert gcs_store.get("k") == bytes(data) and temporaries(gcs_store) == []
 
 
@@ -553,52 +574,37 @@ def test_checksums_can_be_turned_off(gcs_emulator: GCSEmulator, gcs_env, gcs_buc
 # -- one attempt per call -------------------------------------------------------------------------
 
 
-def _spy_requests(store: GCSStore, monkeypatch: pytest.MonkeyPatch, fail_when=None) -> list[tuple[str, str]]:
-    """Record every request of the store's client; answer 503 to those ``fail_when(method, url)`` picks."""
-    session = store._client_()._http
-    real = session.request
-    log: list[tuple[str, str]] = []
-
-    def spy(method, url, *args, **kwargs):
-        log.append((method, url))
-        if fail_when is not None and fail_when(method, url):
-            response = requests.Response()
-            response.status_code = 503
-            response.reason = "Service Unavailable"
-            response.url = url
-            response.request = requests.Request(method, url).prepare()
-            response.headers["Content-Type"] = "application/json"
-            response._content = b'{"error": {"code": 503, "message": "backend error"}}'
-            return response
-        return real(method, url, *args, **kwargs)
-
-    monkeypatch.setattr(session, "request", spy)
-    return log
+def _new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Threads alive now that were not in ``before``, the proxy's own aside."""
+    return [t for t in threading.enumerate() if t not in before and not t.name.startswith("FaultProxy")]
 
 
-def test_each_call_is_one_request(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_call_is_one_request(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """Counted on the wire; and no call leaves a thread behind that could send more after it returned."""
     gcs_store.put("k", b"0123456789")
     upload_id = gcs_store.create_multipart("p")
     big = memoryview(bytearray(9 * 1024 * 1024))  # above the library's single-request limit
-    log = _spy_requests(gcs_store, monkeypatch)
-    calls = [
-        lambda: gcs_store.put("k2", b"x", create_only=True),
-        lambda: gcs_store.put("k3", b"x"),
-        lambda: gcs_store.put("k4", big),
-        lambda: gcs_store.put_part("p", upload_id, 1, b"x"),
-        lambda: gcs_store.put_part("p", upload_id, 2, big),
-        lambda: gcs_store.get("k"),
-        lambda: gcs_store.head("k"),
-        lambda: gcs_store.read_into("k", 2, [memoryview(bytearray(3)), memoryview(bytearray(4))]),
-        lambda: list(gcs_store.list("")),
-        lambda: gcs_store.create_multipart("m"),
-        gcs_store.check_bucket,
-    ]
-    for call in calls:
-        log.clear()
-        call()
-        time.sleep(0.05)  # nothing may follow on background threads either
-        assert len(log) == 1, log
+    with FaultProxy(gcs_emulator.endpoint, flavor="gcs") as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        calls = [
+            lambda: store.put("k2", b"x", create_only=True),
+            lambda: store.put("k3", b"x"),
+            lambda: store.put("k4", big),
+            lambda: store.put_part("p", upload_id, 1, b"x"),
+            lambda: store.put_part("p", upload_id, 2, big),
+            lambda: store.get("k"),
+            lambda: store.head("k"),
+            lambda: store.read_into("k", 2, [memoryview(bytearray(3)), memoryview(bytearray(4))]),
+            lambda: list(store.list("")),
+            lambda: store.create_multipart("m"),
+            store.check_bucket,
+        ]
+        for index, call in enumerate(calls):
+            threads = set(threading.enumerate())
+            proxy.reset_counters()
+            call()
+            assert _new_threads(threads) == [], (index, _new_threads(threads))
+            assert sum(proxy.snapshot().requests.values()) == 1, (index, proxy.snapshot().by_path)
 
 
 def test_media_upload_sends_the_callers_buffer(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -643,29 +649,33 @@ def test_empty_media_upload(gcs_store: GCSStore) -> None:
     assert gcs_store.get("empty") == b""
 
 
-def test_no_library_retries(gcs_store: GCSStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_library_retries(gcs_store: GCSStore, gcs_emulator: GCSEmulator) -> None:
+    """Every request the proxy refuses with a 503 is sent once: the library retries nothing (the retry loop is
+    dcp_cloud's)."""
     gcs_store.put("k", b"0123456789")
     upload_id, parts = upload_parts(gcs_store, "m", b"abcdef", 2)
 
-    def targeted(method: str, url: str) -> bool:
-        return "/compose" in url or "/upload/" in url or "/o/k" in url
+    def targeted(request: RequestInfo) -> bool:
+        path = urllib.parse.unquote(request.path)
+        return path.endswith("/compose") or path.startswith("/upload/") or path.endswith("/o/k")
 
-    log = _spy_requests(gcs_store, monkeypatch, fail_when=targeted)
-    calls = [
-        lambda: gcs_store.put("k", b"y"),
-        lambda: gcs_store.put("k", b"y" * (9 * 1024 * 1024)),
-        lambda: gcs_store.put_part("m", upload_id, 1, b"y" * (9 * 1024 * 1024)),
-        lambda: gcs_store.get("k"),
-        lambda: gcs_store.head("k"),
-        lambda: gcs_store.read_into("k", 0, [memoryview(bytearray(3))]),
-        lambda: gcs_store.complete_multipart("m", upload_id, parts),
-    ]
-    for call in calls:
-        log.clear()
-        with pytest.raises(TransientStoreError) as info:
-            call()
-        assert info.value.__cause__ is not None
-        assert sum(1 for method, url in log if targeted(method, url)) == 1, log
+    with _through(gcs_emulator, FaultPlan(slowdown=1.0, when=targeted)) as proxy:
+        store = GCSStore(gcs_store.bucket, GCSConfig(endpoint=proxy.url))
+        calls = [
+            lambda: store.put("k", b"y"),
+            lambda: store.put("k", b"y" * (9 * 1024 * 1024)),
+            lambda: store.put_part("m", upload_id, 1, b"y" * (9 * 1024 * 1024)),
+            lambda: store.get("k"),
+            lambda: store.head("k"),
+            lambda: store.read_into("k", 0, [memoryview(bytearray(3))]),
+            lambda: store.complete_multipart("m", upload_id, parts),
+        ]
+        for index, call in enumerate(calls):
+            proxy.reset_counters()
+            with pytest.raises(TransientStoreError) as info:
+                call()
+            assert info.value.__cause__ is not None
+            assert proxy.snapshot().faults["slowdown"] == 1, (index, proxy.snapshot().by_path)
     assert gcs_store.list_multipart("m")  # the transient failure kept the parts for a retry
 
 

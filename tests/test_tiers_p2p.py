@@ -15,7 +15,6 @@ import pickle
 import random
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,7 +157,6 @@ def _cases(rank: int, world: int, root: str, read_only: str) -> dict[str, Any]:
             if threading.current_thread().name == "dcp-cloud-p2p-send":
                 calls.append(1)
                 if len(calls) == 2:
-                    Path(root, "killed_at").write_text(repr(time.time()))
                     os._exit(17)
             return real_read(stream, view)
 
@@ -169,10 +167,9 @@ def _cases(rank: int, world: int, root: str, read_only: str) -> dict[str, Any]:
         FileMove(2, 0, "__2_0.distcp", BIG),
     ]
     kind, message = _outcome(lambda: move_files(group, dying, mine, os.path.join(mine, "dying"), chunk_bytes=CHUNK))
-    raised_at = time.time()
     landed = os.path.join(mine, "dying")
     whole = {m.name: _holds(landed, m.name, m.size) for m in dying if os.path.exists(os.path.join(landed, m.name))}
-    died = (kind, message, raised_at, [os.path.relpath(p, mine) for p in _partials(mine)], whole)
+    died = (kind, message, [os.path.relpath(p, mine) for p in _partials(mine)], whole)
     with open(os.path.join(root, f"died_{rank}.pkl"), "wb") as f:
         pickle.dump(died, f)
     return None
@@ -205,21 +202,26 @@ def _load(path: Path) -> Any:
         return pickle.load(f)
 
 
-def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Path) -> None:
+def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Path, monkeypatch: Any) -> None:
+    from dcp_cloud.testing import multirank
+
+    # Once rank 0 died, the others have the whole test's time to report (not the harness's few seconds): no timer
+    # ends their wait sooner (move_files waits without one, gloo's is half an hour), so a survivor that reports
+    # does so because rank 0's connection failed, and its error says so.
+    monkeypatch.setattr(multirank, "FAILURE_GRACE_S", 120.0)
     with _read_only_dir(tmp_path / "ro"), pytest.raises(RankFailedError) as info:
         run_ranks(4, _cases, str(tmp_path), str(tmp_path / "ro"), timeout=120)
     # only the rank made to die failed; the others raised, reported and returned (none hung)
     assert set(info.value.failures) == {0} and info.value.hung == [], info.value
     results = [_load(tmp_path / f"cases_{rank}.pkl") for rank in range(4)]
-    killed_at = float((tmp_path / "killed_at").read_text())
     for rank in (1, 2, 3):
-        kind, message, raised_at, partials, whole = _load(tmp_path / f"died_{rank}.pkl")
+        kind, message, partials, whole = _load(tmp_path / f"died_{rank}.pkl")
         assert kind == "StoreError" and "lost rank 0" in message, (rank, message)
-        assert raised_at - killed_at < 5.0, (rank, raised_at - killed_at)
+        cause = message.partition("silent past the timeout): ")[2].lower()  # what gloo said: the connection broke
+        assert "connection" in cause and "timed out" not in cause and "timeout" not in cause, (rank, message)
         # a name holds a whole file or nothing; only the dead rank leaves its .partial (in node 0's directory)
         assert all(whole.values()), (rank, whole)
         assert set(partials) <= ({"dying/__2_0.distcp.partial"} if rank == 1 else set()), (rank, partials)
-        print(f"rank {rank} raised {raised_at - killed_at:.2f} s after rank 0 died")
     for rank, r in enumerate(results):
         assert r["moved"] and r["again"], rank
         assert r["stats"] == r["expected_stats"], rank

@@ -28,11 +28,12 @@ It is two tools in one:
   (nothing more is sent for ``stall_seconds``, then the connection is closed).
   Faults are drawn from a seeded RNG, may be limited to some methods / paths /
   requests and capped with ``max_faults``, and every injected fault is counted
-  by kind.
+  by kind. Besides these transient faults (:data:`FAULT_KINDS`), a plan may
+  refuse requests with a permanent ``403`` (``denied_403``, :data:`PERMANENT_KINDS`).
 
 Semantics worth knowing when writing assertions:
 
-* error answers (slowdown, 429, 500) and request-phase resets/stalls never
+* error answers (slowdown, 429, 500, 403) and request-phase resets/stalls never
   reach the upstream: the request had no effect. Response-phase faults
   (truncate, and reset/stall with ``phase="response"``) happen *after* the
   upstream executed the request: the client cannot know whether it took effect.
@@ -57,7 +58,7 @@ block. ``stop`` closes the port and every connection and joins every thread
 it started; all sockets carry ``io_timeout`` so no thread blocks forever.
 """
 
-from .faults import FAULT_KINDS, FaultEvent, FaultPlan, RequestInfo
+from .faults import FAULT_KINDS, PERMANENT_KINDS, FaultEvent, FaultPlan, RequestInfo
 from .http import ProxyProtocolError  # noqa: F401 - public name of the old module
 from .server import FaultProxy
 from .shaping import Shaping
@@ -69,6 +70,7 @@ __all__ = [
     "FaultEvent",
     "FaultPlan",
     "FaultProxy",
+    "PERMANENT_KINDS",
     "ProxyStats",
     "RequestInfo",
     "Shaping",

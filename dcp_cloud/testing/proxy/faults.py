@@ -10,9 +10,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-#: Every kind of fault a :class:`FaultPlan` can inject, in the order they are drawn.
+#: Every kind of transient fault a :class:`FaultPlan` can inject (one a client retries), in the order they
+#: are drawn.
 FAULT_KINDS = ("slowdown", "throttle_429", "error_500", "reset", "truncate", "stall")
-_ERROR_KINDS = ("slowdown", "throttle_429", "error_500")
+#: Kinds of permanent fault (one no retry gets past), drawn after :data:`FAULT_KINDS`: a ``403`` refusal.
+PERMANENT_KINDS = ("denied_403",)
+_DRAWN_KINDS = FAULT_KINDS + PERMANENT_KINDS
+_ERROR_KINDS = ("slowdown", "throttle_429", "error_500", "denied_403")
 _PHASES = ("request", "response", "either")
 #: Bytes of a status line sent before a no-body "truncation": never a complete status code.
 _STATUS_CUT = len("HTTP/1.1 2")
@@ -54,6 +58,9 @@ class FaultPlan:
     truncate: float = 0.0
     #: Nothing (more) is sent for ``stall_seconds``, then the connection is closed.
     stall: float = 0.0
+    #: ``403 Forbidden`` (S3 ``AccessDenied``, GCS ``forbidden``, Azure ``AuthorizationPermissionMismatch``):
+    #: a permanent refusal, as for a credential that lost its permission.
+    denied_403: float = 0.0
     #: How long a stalled response is held; make it longer than the client's read timeout.
     stall_seconds: float = 5.0
     #: When resets and stalls strike: ``"request"`` (after reading the request,
@@ -73,7 +80,7 @@ class FaultPlan:
     max_faults: int | None = None
 
     def __post_init__(self) -> None:
-        for kind in FAULT_KINDS:
+        for kind in _DRAWN_KINDS:
             p = getattr(self, kind)
             if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
                 raise ValueError(f"{kind} must be a probability in [0, 1], got {p!r}")
@@ -91,19 +98,20 @@ class FaultPlan:
     @classmethod
     def only(cls, kind: str, rate: float, **kwargs: object) -> FaultPlan:
         """A plan injecting one ``kind`` of fault with probability ``rate``."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
+        if kind not in _DRAWN_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; expected one of {_DRAWN_KINDS}")
         return cls(**{kind: rate}, **kwargs)  # type: ignore[arg-type]
 
     @classmethod
     def every_kind(cls, rate: float, **kwargs: object) -> FaultPlan:
-        """A plan injecting each kind of fault with probability ``rate`` (``6 * rate`` in all)."""
+        """A plan injecting each transient kind of fault (:data:`FAULT_KINDS`) with probability ``rate``
+        (``6 * rate`` in all)."""
         return cls(**{kind: rate for kind in FAULT_KINDS}, **kwargs)  # type: ignore[arg-type]
 
     @property
     def total_rate(self) -> float:
         """Probability that an eligible request gets some fault."""
-        return float(sum(getattr(self, kind) for kind in FAULT_KINDS))
+        return float(sum(getattr(self, kind) for kind in _DRAWN_KINDS))
 
     def eligible(self, request: RequestInfo) -> bool:
         """Whether ``request`` passes the filters (``max_faults`` aside)."""
@@ -147,7 +155,7 @@ def _draw_fault(plan: FaultPlan, rng: random.Random, decided: int, request: Requ
         return None
     u = rng.random()
     acc = 0.0
-    for kind in FAULT_KINDS:
+    for kind in _DRAWN_KINDS:
         acc += getattr(plan, kind)
         if u < acc:
             break
@@ -160,7 +168,12 @@ def _draw_fault(plan: FaultPlan, rng: random.Random, decided: int, request: Requ
 
 def azure_error_code(kind: str) -> str:
     """The ``x-ms-error-code`` of an injected error answer ``kind`` in Azure's shape."""
-    return {"slowdown": "ServerBusy", "throttle_429": "TooManyRequests", "error_500": "InternalError"}[kind]
+    return {
+        "slowdown": "ServerBusy",
+        "throttle_429": "TooManyRequests",
+        "error_500": "InternalError",
+        "denied_403": "AuthorizationPermissionMismatch",
+    }[kind]
 
 
 def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, str, bytes]:
@@ -169,15 +182,20 @@ def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, st
         "slowdown": (503, "Slow Down"),
         "throttle_429": (429, "Too Many Requests"),
         "error_500": (500, "Internal Server Error"),
+        "denied_403": (403, "Forbidden"),
     }[kind]
     if flavor == "gcs":
-        gcs_reason = {"slowdown": "backendError", "throttle_429": "rateLimitExceeded", "error_500": "backendError"}[
-            kind
-        ]
+        gcs_reason = {
+            "slowdown": "backendError",
+            "throttle_429": "rateLimitExceeded",
+            "error_500": "backendError",
+            "denied_403": "forbidden",
+        }[kind]
         message = {
             "slowdown": "We encountered an internal error. Please try again.",
             "throttle_429": "The rate of change requests to the object is too high.",
             "error_500": "We encountered an internal error. Please try again.",
+            "denied_403": "The caller does not have permission.",
         }[kind]
         error = {
             "code": status,
@@ -193,6 +211,7 @@ def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, st
                 "slowdown": "The server is busy.",
                 "throttle_429": "The request rate is too high.",
                 "error_500": "Server encountered an internal error. Please try again after some time.",
+                "denied_403": "This request is not authorized to perform this operation using this permission.",
             }[kind],
         )
         body = (
@@ -204,6 +223,7 @@ def _error_answer(kind: str, flavor: str, request_id: str) -> tuple[int, str, st
         "slowdown": ("SlowDown", "Please reduce your request rate."),
         "throttle_429": ("TooManyRequests", "Please reduce your request rate."),
         "error_500": ("InternalError", "We encountered an internal error. Please try again."),
+        "denied_403": ("AccessDenied", "Access Denied"),
     }[kind]
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
