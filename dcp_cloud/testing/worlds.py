@@ -7,11 +7,14 @@ multi-rank test. Inside :func:`~.multirank.persistent_worlds`, a call of ``run_r
 Each call runs as it would in fresh processes: the rank's environment is the launcher's at the call plus
 ``env``, its ``sys.path`` and working directory the launcher's, torch's random state, default dtype and
 thread count those of a fresh process (``threads`` applied), and the warning filters and logging handlers
-a call set are undone after it; dcp_cloud's shared clients are closed. What a call leaves behind otherwise
+a call set are undone after it; dcp_cloud's shared clients are closed, and torch's daemon of process-based
+``async_save`` is stopped (it keeps the environment it started with). What a call leaves behind otherwise
 (process groups it made, threads it did not stop) stays until the world is replaced: after
 :data:`WORLD_CALLS` calls, and after any call where a rank failed, died or hung (its ranks are killed with
-everything they started, as a one-shot launch's are). At most :data:`MAX_WORLDS` worlds are kept, the
-least recently used stopped first; all of them stop when the block ends.
+everything they started, as a one-shot launch's are). A rank whose call raised leaves its group as soon as it
+has reported, as a one-shot rank does, so a peer waiting on it in a collective fails rather than hangs.
+At most :data:`MAX_WORLDS` worlds are kept, the least recently used stopped first; all of them stop when the
+block ends.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ def _restore_logging(saved: dict[str, tuple[Any, ...]]) -> None:
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate, logger.disabled = propagate, disabled
+
+
+def _stop_async_daemon() -> None:
+    """Stop torch's daemon of process-based ``async_save`` if a call started one: it holds the environment of
+    the call that started it, which the next call's must replace."""
+    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    daemon = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if daemon is not None:
+        executor._CHECKPOINT_PROCESS = None  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            daemon.__del__()  # torch's own shutdown: TERMINATE, join, then SIGTERM
 
 
 def _world_main(conn: mpc.Connection, parent_pid: int, rank: int, size: int, port: int) -> None:
@@ -103,9 +117,13 @@ def _world_main(conn: mpc.Connection, parent_pid: int, rank: int, size: int, por
             if clients is not None:
                 with contextlib.suppress(Exception):
                     clients.close_clients()
+            _stop_async_daemon()
         conn.send(reply)
-        if not dist.is_initialized():  # the call took the group down: this world is over
-            return
+        if reply[0] == "err" or not dist.is_initialized():
+            # A rank whose call raised leaves as a one-shot rank does: its group's connections close, so a
+            # peer still waiting on it in a collective fails at once instead of at the group's timeout.
+            # The world is replaced after a failed call anyway.
+            break
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
