@@ -136,7 +136,7 @@ class LocalStore:
         if exc.errno in _TRANSIENT_ERRNOS:
             return TransientStoreError(f"could not {action} {where} ({os.strerror(exc.errno)}); retry")
         if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            return StoreError(f"could not {action} {where}: the disk or quota is full")
+            return StoreError(f"could not {action} {where}: the disk or quota is full; free space there and try again")
         reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
         return StoreError(f"could not {action} {where} ({reason})")
 

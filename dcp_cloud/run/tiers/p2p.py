@@ -112,14 +112,14 @@ def _read_into(stream: BinaryIO, view: memoryview) -> int:
     return got
 
 
-def _file_error(exc: OSError, path: str, action: str) -> DcpCloudError:
+def file_error(exc: OSError, path: str, action: str) -> DcpCloudError:
     """The one mapping from an OSError of this module to a dcp_cloud error."""
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"cannot {action} {path}: it does not exist")
     if isinstance(exc, PermissionError):
         return AccessDeniedError(f"permission denied to {action} {path}: check the directory's owner and mode")
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return StoreError(f"cannot {action} {path}: the disk or quota is full")
+        return StoreError(f"cannot {action} {path}: the disk or quota is full; free space there and try again")
     reason = os.strerror(exc.errno) if exc.errno else f"{type(exc).__name__}: {exc}"
     return StoreError(f"cannot {action} {path} ({reason})")
 
@@ -143,7 +143,7 @@ def _send_file(
     except (OSError, DcpCloudError) as exc:
         if stream is not None:
             stream.close()
-        link.fail(index, _file_error(exc, path, "read") if isinstance(exc, OSError) else exc)
+        link.fail(index, file_error(exc, path, "read") if isinstance(exc, OSError) else exc)
         link.wait(link.isend(torch.tensor([_FAIL, move.size], dtype=torch.int64), move.dst, _TAG_FILES), move.dst)
         return False
     with stream:
@@ -167,7 +167,7 @@ def _send_file(
                         crc = _crc(view, crc)
                     except (OSError, DcpCloudError) as exc:  # keep in step: junk chunks, then FAIL
                         ok = False
-                        link.fail(index, _file_error(exc, path, "read") if isinstance(exc, OSError) else exc)
+                        link.fail(index, file_error(exc, path, "read") if isinstance(exc, OSError) else exc)
                 works[slot] = link.isend(buf, move.dst, _TAG_FILES)
                 if on_chunk is not None:
                     on_chunk()
@@ -206,7 +206,7 @@ def _receive_file(link: Link, dst_dir: str, move: FileMove, index: int, bufs: li
         os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as exc:
-        link.fail(index, _file_error(exc, partial, "write"))
+        link.fail(index, file_error(exc, partial, "write"))
     chunk = len(bufs[0])
     starts = list(range(0, move.size, chunk))
     crc = 0
@@ -230,7 +230,7 @@ def _receive_file(link: Link, dst_dir: str, move: FileMove, index: int, bufs: li
                     while written < len(view):
                         written += os.write(fd, view[written:])
                 except OSError as exc:  # keep receiving, discard
-                    link.fail(index, _file_error(exc, partial, "write"))
+                    link.fail(index, file_error(exc, partial, "write"))
                     os.close(fd)
                     fd = None
         link.wait(link.irecv(trailer, move.src, _TAG_FILES), move.src)
@@ -238,7 +238,7 @@ def _receive_file(link: Link, dst_dir: str, move: FileMove, index: int, bufs: li
             try:
                 os.fsync(fd)
             except OSError as exc:
-                link.fail(index, _file_error(exc, partial, "write"))
+                link.fail(index, file_error(exc, partial, "write"))
                 os.close(fd)
                 fd = None
     finally:
@@ -271,7 +271,7 @@ def _receive_file(link: Link, dst_dir: str, move: FileMove, index: int, bufs: li
         os.replace(partial, final)
         _fsync_dir(os.path.dirname(final) or ".")
     except OSError as exc:
-        link.fail(index, _file_error(exc, final, "rename into"))
+        link.fail(index, file_error(exc, final, "rename into"))
         return False
     return True
 
@@ -308,7 +308,7 @@ def _copy_local(link: Link, move: FileMove, index: int, src_dir: str, dst_dir: s
         _fsync_dir(os.path.dirname(final) or ".")
         return True
     except (OSError, DcpCloudError) as exc:
-        link.fail(index, _file_error(exc, where, action) if isinstance(exc, OSError) else exc)
+        link.fail(index, file_error(exc, where, action) if isinstance(exc, OSError) else exc)
         if action != "read":
             try:
                 os.unlink(partial)
@@ -425,4 +425,4 @@ def move_files(
     return stats
 
 
-__all__ = ["FileMove", "MoveStats", "move_files"]
+__all__ = ["FileMove", "MoveStats", "file_error", "move_files"]

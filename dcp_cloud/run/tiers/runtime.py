@@ -25,6 +25,7 @@ from ..writer import StepWriter
 from .config import LocalTier
 from .crashpoints import reached
 from .listing import DRAINED_NAME, LocalStep, scan
+from .p2p import file_error
 from .plan import Tiers
 from .topology import node_key, nodes_of, replica_targets
 from .worker import TierStats, TierWorker
@@ -156,7 +157,11 @@ class LocalTiers:
     def share_control_files(self, name: str, group: Any) -> None:
         """Collective (``group``), right after a local commit: ``.step.json`` and ``.metadata`` from rank 0's
         node to every other node's step directory (``.metadata`` last, each through a rename), so that every
-        node holds what a load of the step needs to start."""
+        node holds what a load of the step needs to start.
+
+        Where a node cannot take them (its disk full), the commit is taken back on every node (each removes the
+        step's ``.metadata``) before every rank raises that node's typed error: a save that raised leaves no
+        node holding the step as committed, and the same step can be saved again once there is room."""
         nodes = self.topology()
         if len(set(nodes)) < 2:
             return
@@ -185,17 +190,38 @@ class LocalTiers:
         def write() -> None:
             if not self.is_leader() or nodes[self.rank()] == nodes[0]:
                 return
-            os.makedirs(directory, exist_ok=True)
             for control, body in files:
                 final = os.path.join(directory, control)
                 partial = f"{final}.partial"
-                with open(partial, "wb") as f:
-                    f.write(body)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(partial, final)
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                    with open(partial, "wb") as f:
+                        f.write(body)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(partial, final)
+                except OSError as exc:
+                    _remove(partial)
+                    raise file_error(exc, final, "write this node's copy of") from exc
 
-        exchange(self.groups, write, group)
+        try:
+            exchange(self.groups, write, group)
+        except Exception:
+            self._uncommit(name, group)
+            raise
+
+    def _uncommit(self, name: str, group: Any) -> None:
+        """Collective: every node removes step ``name``'s ``.metadata`` (the step is committed nowhere)."""
+
+        def remove() -> None:
+            if self.is_leader():
+                for control in (METADATA_NAME, f"{METADATA_NAME}.partial", f"{STEP_INFO_NAME}.partial"):
+                    _remove(os.path.join(self.step_dir(name), control))
+
+        try:
+            exchange(self.groups, remove, group)
+        except Exception as exc:  # noqa: BLE001 - the save's own error is what the caller raises
+            log.warning("taking back the local commit of %s failed on some node: %s", name, exc)
 
     def targets(self) -> list[int]:
         """The ranks this rank's files are copied to."""
@@ -208,6 +234,13 @@ class LocalTiers:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 __all__ = ["LocalTiers", "TierStats"]

@@ -4,8 +4,8 @@ store) and :func:`retain` (the local tier's retention).
 
 None of them ever fails training: a failure is logged as a warning, counted
 in :class:`~.worker.TierStats`, and left to a later pass (a drain is retried
-after the next save; the local tier keeps an undrained step whatever its
-retention says).
+after the next save, and not while the manager closes: the next job drains it;
+the local tier keeps an undrained step whatever its retention says).
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ def _broadcast_from(tiers: LocalTiers, src: int, value: Any, group: Any) -> Any:
     return payload[0]
 
 
+def _closing(tiers: LocalTiers, group: Any) -> bool:
+    """Collective: whether some rank's manager is closing (the same answer on every rank). A drain retried then,
+    after the last one failed, is given up: ``close`` waits for the drain in flight, not for one retry deadline
+    per save that queued a drain while the object store was failing."""
+    return any(exchange(tiers.groups, lambda: tiers.worker.closing, group))
+
+
 def drain(
     tiers: LocalTiers,
     step: int,
@@ -94,6 +101,13 @@ def drain(
     me = tiers.rank()
     storage = tiers.storage
     try:
+        if tiers.stats.last_drain_error is not None and _closing(tiers, group):
+            log.info(
+                "step %d is not drained again while the manager closes (the last drain failed): it stays on the "
+                "local tier, and the next job drains it",
+                step,
+            )
+            return False
         view = tiers.gather(group)
         if view.drained(name):
             return True

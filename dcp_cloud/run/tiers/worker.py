@@ -91,6 +91,12 @@ class TierWorker:
                     self._busy = False
                     self._cond.notify_all()
 
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called (the tasks still queued then run before the thread stops)."""
+        with self._cond:
+            return self._closed
+
     def idle(self) -> bool:
         with self._cond:
             return not self._tasks and not self._busy
