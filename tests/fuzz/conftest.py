@@ -1,4 +1,5 @@
-"""Fixtures of the differential fuzzer: the stores (targets), the persistent world of ranks, and ``run_case``.
+"""Fixtures of the fuzzers: the stores (targets), the persistent world of ranks, ``run_case`` (a differential case
+on the world) and ``run_sequence`` (a tiered run sequence on the world, over ``tier_targets``: every store at once).
 
 Targets: ``s3-moto`` (the session's moto server, one bucket) and ``local`` (a directory); ``s3-rgw``
 (Ceph's RADOS Gateway), ``gcs`` (fake-gcs-server) and ``azure`` (Azurite) in runs of their own. Another
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 from fuzz_cases import Case, encode_case
 from fuzz_options import STORES, Target
-from fuzz_report import failure_text, say
+from fuzz_report import failure_text, say, sequence_failure_text
 from fuzz_world import World
 
 from dcp_cloud.testing.gcs_emulator import gcs_env
@@ -123,6 +124,38 @@ def fuzz_targets(
         client.close()
 
 
+@pytest.fixture
+def tier_targets(
+    moto_server: MotoServer, _fuzz_root: Path, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Target]]:
+    """The stores a tiered run sequence drains to: S3 on moto, a local directory, GCS on fake-gcs-server and Azure
+    on Azurite (each sequence under its own prefix of one bucket, directory or container)."""
+    emulator = request.getfixturevalue("gcs_emulator")
+    azurite = request.getfixturevalue("azurite_server")
+    name = f"fuzz-{uuid.uuid4().hex[:12]}"
+    client = moto_client(moto_server)
+    client.create_bucket(Bucket=name)
+    emulator.create_bucket(name)
+    azurite.create_container(name)
+    local = _fuzz_root / f"tiers-{name}"
+    local.mkdir()
+    try:
+        yield {
+            "s3-moto": Target("s3-moto", "s3", name, endpoint_url=moto_server.endpoint_url, env=moto_env(moto_server),
+                              min_part_size=MOTO_MIN_PART_SIZE),
+            "local": Target("local", "local", str(local), min_part_size=64 * 1024),
+            "gcs": Target("gcs", "gcs", name, endpoint_url=emulator.endpoint, env=gcs_env(emulator),
+                          min_part_size=256 * 1024),
+            "azure": Target("azure", "azure", name, endpoint_url=azurite.endpoint, env=azurite.env(),
+                            min_part_size=256 * 1024),
+        }  # fmt: skip
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        client.close()
+        emulator.delete_bucket(name)
+        azurite.delete_container(name)
+
+
 _ids = itertools.count()
 
 
@@ -168,3 +201,25 @@ def stock_probe(fuzz_world: World, _fuzz_root: Path) -> Callable[[Case], str]:
         return "\n".join(mismatches)
 
     return probe
+
+
+@pytest.fixture
+def run_sequence(
+    fuzz_world: World, tier_targets: dict[str, Target], _fuzz_root: Path, request: pytest.FixtureRequest
+) -> Callable[[Any, str], Any]:
+    """``run_sequence(case, label)``: run one tiered run sequence on the world; its rank 0's facts, or an
+    AssertionError saying what failed (the case's repr replays it as an explicit example)."""
+
+    def run(case: Any, label: str) -> dict[str, int]:
+        case_id = f"tiers-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        outcome = fuzz_world.run((case, tier_targets[case.target], case_id, str(_fuzz_root / case_id), False))
+        if outcome.world_failure or any(r.error or r.mismatches for r in outcome.reports.values()):
+            text = sequence_failure_text(case, outcome, label)
+            say(request.config, f"\nRUN SEQUENCE FAILED ({label}): {case!r}")
+            raise AssertionError(text)
+        if os.environ.get("DCP_CLOUD_FUZZ_TIMINGS"):
+            times = sorted(outcome.reports[0].timings.items(), key=lambda kv: -kv[1])
+            say(request.config, f"{label} ({outcome.seconds:.1f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in times))
+        return dict(outcome.reports[0].facts)
+
+    return run

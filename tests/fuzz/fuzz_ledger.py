@@ -6,9 +6,10 @@ rejected is then never tested): :meth:`Ledger.problems` says where it did not, a
 Hypothesis also cuts some draws short while it searches (an *overrun*: a draw past the length it
 allows that step); those never became cases, and are counted apart.
 
-Items are left out of the oracle, never cases (:mod:`fuzz_oracle`); the share of such items in the CI
-tier (derandomized: the same share on every run) must stay under :data:`MAX_EXCLUDED_SHARE`; other tiers
-print theirs.
+Items are left out of the oracle, never cases (:mod:`fuzz_oracle`); the share of such items must stay under
+:data:`MAX_EXCLUDED_SHARE` on every tier and store: a run fails where its share is above it by more than its
+sampling error allows (:func:`share_problem`); ``test_fuzz_accounting`` checks the share of every store kind on a
+large sample of drawn cases, and the CI tier's share of each store against its table.
 
 Cases are booked by their *kind* (a ``kind`` attribute; ``"single"`` where there is none: one save,
 one load); another kind of case (a sequence of saves, say) is booked beside it with no change here,
@@ -18,7 +19,8 @@ passing :meth:`Ledger.ran` its items' exclusions where :func:`fuzz_oracle.exclus
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +30,51 @@ from hypothesis.errors import StopTest, UnsatisfiedAssumption
 
 #: Most items of a run that stock torch cannot hold as drawn (their layouts have no stock oracle).
 MAX_EXCLUDED_SHARE = 0.10
-#: Runs with fewer items than this do not check the share (a few cases can be all ShardedTensors).
-SHARE_MIN_ITEMS = 500
+#: A run fails where its share of items without a stock oracle is above :data:`MAX_EXCLUDED_SHARE` by more than
+#: this many standard errors, and a share of :data:`MAX_EXCLUDED_SHARE` gives as many excluded items with a smaller
+#: probability than :data:`SHARE_ALPHA` (both: see :func:`share_problem`).
+SHARE_Z = 3.72
+SHARE_ALPHA = 1e-4
+
+
+def share_tail(excluded: int, items: int, share: float = MAX_EXCLUDED_SHARE) -> float:
+    """P(X >= ``excluded``) for X ~ Binomial(``items``, ``share``)."""
+
+    def term(k: int) -> float:
+        log = math.lgamma(items + 1) - math.lgamma(k + 1) - math.lgamma(items - k + 1)
+        return math.exp(log + k * math.log(share) + (items - k) * math.log1p(-share))
+
+    return min(1.0, sum(term(k) for k in range(max(0, excluded), items + 1)))
+
+
+def share_problem(cases: list[tuple[int, int]]) -> str:
+    """Why the share of items left out of the oracle is above :data:`MAX_EXCLUDED_SHARE` ("" where it is not
+    shown to be); ``cases``: (items, items excluded) of each case run.
+
+    Items of one case are not independent (a ShardedTensor layout stock cannot hold comes with its optimizer
+    moments), so the share's standard error is taken over cases (the ratio estimator's, from each case's residual);
+    a short run cannot tell 12% from 10%, a long one can. The binomial tail guards the runs of a few cases, whose
+    standard error is no estimate; a run of one case shows nothing."""
+    items = sum(n for n, _ in cases)
+    excluded = sum(e for _, e in cases)
+    if not items:
+        return ""
+    share = excluded / items
+    count = len(cases)
+    if share <= MAX_EXCLUDED_SHARE or count < 2:  # one case says nothing of a share
+        return ""
+    spread = sum((e - share * n) ** 2 for n, e in cases) * (count / (count - 1) if count > 1 else 1.0)
+    error = math.sqrt(spread) / items
+    above = (share - MAX_EXCLUDED_SHARE) / error if error else math.inf
+    tail = share_tail(excluded, items)
+    if above <= SHARE_Z or tail >= SHARE_ALPHA:
+        return ""
+    return (
+        f"{excluded} of the {items} items ({100 * share:.1f}%) of {count} cases have no stock oracle: "
+        f"{above:.1f} standard errors above {100 * MAX_EXCLUDED_SHARE:.0f}% (a share of "
+        f"{100 * MAX_EXCLUDED_SHARE:.0f}% gives as many with probability {tail:.1e}): the generator draws too many "
+        "layouts stock cannot hold"
+    )
 
 
 def _kind(case: Any) -> str:
@@ -55,6 +100,8 @@ class Ledger:
     #: Cases run, by kind.
     kinds: collections.Counter[str] = field(default_factory=collections.Counter)
     items: int = 0
+    #: (items, items excluded) of each case run.
+    per_case: list[tuple[int, int]] = field(default_factory=list)
     #: Items of cases run whose layout (save or load side) stock torch cannot hold, by reason.
     excluded: collections.Counter[str] = field(default_factory=collections.Counter)
     #: Of those, the items our run loaded as drawn, against the values they were built from.
@@ -66,6 +113,9 @@ class Ledger:
     held_by_ours_only: int = 0
     #: How a case's kind is told.
     kind_of: Callable[[Any], str] = _kind
+    #: What a case draws that the run must then show (``fuzz_books.case_facts``), summed in :attr:`drawn_facts`.
+    facts_of: Callable[[Any], Mapping[str, int]] | None = None
+    drawn_facts: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def counted(self, cases: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         """``cases`` with every draw booked (started and finished)."""
@@ -96,6 +146,7 @@ class Ledger:
         self.kinds[self.kind_of(case)] += 1
         self.items += len(case.items)
         held = exclusions(case) if held is None else held
+        self.per_case.append((len(case.items), len(held.stock)))
         for path, sides in held.stock.items():
             self.excluded[next(iter(sides.values()))] += 1
             if path in held.ours:
@@ -103,6 +154,8 @@ class Ledger:
             elif path in held.checked_against_built:
                 self.checked_against_built += 1
         self.held_by_ours_only += len(held.ours.keys() - held.stock.keys())
+        if self.facts_of is not None:
+            self.drawn_facts.update(self.facts_of(case))
 
     @property
     def excluded_share(self) -> float:
@@ -131,10 +184,7 @@ class Ledger:
             out.append(f"{self.started} draws started, {self.drawn + self.rejected + self.overrun} accounted for")
         if finished and self.run < self.requested:
             out.append(f"only {self.run} of the {self.requested} cases asked for ran")
-        big = self.items >= SHARE_MIN_ITEMS
-        if finished and self.check_share and big and self.excluded_share > MAX_EXCLUDED_SHARE:
-            out.append(
-                f"{100 * self.excluded_share:.1f}% of the items have no stock oracle "
-                f"(more than {100 * MAX_EXCLUDED_SHARE:.0f}%): the generator draws too many layouts stock cannot hold"
-            )
+        share = share_problem(self.per_case) if finished and self.check_share else ""
+        if share:
+            out.append(share)
         return out

@@ -134,13 +134,13 @@ OPTIONS: tuple[Option, ...] = (
     #: then the checkpoint (and then its base) is removed, leaving no object behind.
     Option("cleanup", "case", (False, "gc", "rm")),
     #: After the case's load: the state saved as step 1 of a run through a CheckpointManager with a local tier
-    #: (the ranks split into two simulated nodes, each its own directory), draining every step (step 1 is
-    #: drained) or every 2nd (it is not), and loaded back by a new manager on the load layout's ranks.
-    Option("tier", "case", (False, "drain_every_1", "drain_every_2"), kinds=("local", "s3")),
+    #: (the ranks split into two simulated nodes, each its own directory), draining to the case's store every step
+    #: (step 1 is drained) or every 2nd (it is not), and loaded back by a new manager on the load layout's ranks.
+    Option("tier", "case", (False, "drain_every_1", "drain_every_2")),
     #: The tier's peer copies (1: each node's files on the other node too; 0 where the save has one node).
-    Option("tier_replicas", "case", (0, 1), kinds=("local", "s3")),
+    Option("tier_replicas", "case", (0, 1)),
     #: Before the tiered load, the second node's local directory is removed (a node lost).
-    Option("tier_lose_node", "case", (False, True), kinds=("local", "s3")),
+    Option("tier_lose_node", "case", (False, True)),
 )
 
 _NAMES = [o.name for o in OPTIONS]

@@ -40,3 +40,15 @@ def failure_text(case: Case, outcome: Any, label: str) -> str:
     lines.append("the case:\n" + case.describe())
     lines.append("reproduce: " + REPLAY.format(blob=encode_case(case)))
     return "\n".join(lines)
+
+
+def sequence_failure_text(case: Any, outcome: Any, label: str) -> str:
+    """What a failing run sequence says, ending with the case (its repr is an explicit example to replay)."""
+    lines = [f"run sequence failed ({label})"]
+    if outcome.world_failure:
+        lines.append("the world of ranks failed:\n" + outcome.world_failure)
+    first = next((r for r in outcome.reports.values() if r.error), None)
+    if first is not None:
+        lines.append(f"{first.failed_phase} failed:\n{first.error}")
+    lines.append(f"the case: {case!r}")
+    return "\n".join(lines)

@@ -78,6 +78,24 @@ def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
     return dcp_cloud.LocalReader(uri, **kw)
 
 
+def backend(target: Target) -> Any:
+    """The store recipe of ``target`` (what ``CheckpointManager(root, backend=...)`` takes): its endpoint, and for
+    S3 its part limits; credentials come from the ranks' environment (``target.env``)."""
+    from dcp_cloud.dcp.backend import AzureBackend, GCSBackend, LocalBackend, S3Backend
+
+    if target.kind == "s3":
+        from dcp_cloud.store.protocol import PartLimits
+        from dcp_cloud.store.s3 import S3Config
+
+        limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
+        return S3Backend(S3Config(endpoint_url=target.endpoint_url, region=target.region), limits)
+    if target.kind == "gcs":
+        return GCSBackend(_gcs_config(target, {}))
+    if target.kind == "azure":
+        return AzureBackend(_azure_config(target, {}))
+    return LocalBackend()
+
+
 def maintenance_options(target: Target, store: dict[str, Any]) -> dict[str, Any]:
     """Store options of ``target`` as the maintenance functions (copy_checkpoint, verify) take them."""
     if target.kind == "s3":
@@ -109,7 +127,7 @@ def _azure_config(target: Target, store: dict[str, Any]) -> Any:
 
 def _azure(target: Target) -> Any:
     """azure-storage-blob's client of the target's container (the connection string is in the ranks' env)."""
-    key = ("azure", target.endpoint_url or "")
+    key = ("azure", target.endpoint_url or "", target.root)  # a container client: one per container
     if key not in _clients:
         from azure.storage.blob import BlobServiceClient
 

@@ -7,8 +7,10 @@ process groups of ranks ``0..W-1`` for W = 1..4 and a DeviceMesh of every shape 
 the same order everywhere). A case saves on the first ``w1`` ranks and loads on the first ``w2``,
 passing those groups as ``process_group=``.
 
-The launcher sends each rank ``(case, target, case_id, workdir)`` and waits for every rank's report
-with a deadline. A rank that raises, dies, or does not report in time gets the world torn down
+The launcher sends each rank ``(case, target, case_id, workdir, stock_only)`` and waits for every rank's
+report with a deadline. A case runs through ``fuzz_worker.run_case``, or through the ``run_case`` of the module
+its class names in ``runner`` (a tiered run sequence: ``fuzz_tier_rank``). A rank that raises, dies, or does
+not report in time gets the world torn down
 (every process killed, in its own process group, and reaped): the case is reported as failed and
 the next case starts a fresh world. No process outlives the launcher (``PR_SET_PDEATHSIG``).
 """
@@ -16,6 +18,7 @@ the next case starts a fresh world. No process outlives the launcher (``PR_SET_P
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -86,7 +89,7 @@ def _rank_main(
             timeout=timedelta(seconds=timeout_s),
         )
         ranks = Ranks(rank, size, timeout_s)
-        import fuzz_worker
+        import fuzz_worker  # noqa: F401 - imported once, before the first case
 
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the launcher
@@ -104,7 +107,8 @@ def _rank_main(
             with open(stacks_file(message[3], rank), "w") as stacks:
                 faulthandler.dump_traceback_later(max(5.0, timeout_s - 10.0), file=stacks)
                 try:
-                    report = fuzz_worker.run_case(ranks, *message, notify=lambda text: conn.send(("note", text)))
+                    runner = importlib.import_module(getattr(message[0], "runner", "fuzz_worker"))
+                    report = runner.run_case(ranks, *message, notify=lambda text: conn.send(("note", text)))
                 finally:
                     faulthandler.cancel_dump_traceback_later()
             conn.send(("done", report))
