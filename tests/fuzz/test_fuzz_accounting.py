@@ -7,7 +7,9 @@ too (``fuzz_ledger``), this finds a generator change in seconds.
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from pathlib import Path
 
 from fuzz_books import (
@@ -18,7 +20,7 @@ from fuzz_books import (
     differential_facts,
     differential_problems,
 )
-from fuzz_cases import Case, cases
+from fuzz_cases import Case, cases, encode_case
 from fuzz_ledger import MAX_EXCLUDED_SHARE, Ledger, share_problem
 from fuzz_oracle import REASONS
 from fuzz_runs import RunCase
@@ -79,6 +81,37 @@ def test_the_books_fail_a_run_that_ran_less_or_dropped_a_case() -> None:
     ledger.excluded[REASONS[0]] = 300
     assert "no stock oracle" in ledger.problems()[0]
     assert not Ledger("ci", requested=100, run=100, items=1000, per_case=[(10, 3)] * 100, check_share=False).problems()
+
+
+def _drawn(count: int) -> list[str]:
+    out: list[str] = []
+
+    @settings(
+        max_examples=count, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(cases(tuple(KINDS[0]), KINDS[0]))
+    def draw(case: Case) -> None:
+        out.append(encode_case(case))
+
+    draw()
+    return out
+
+
+def test_the_ci_tier_draws_the_same_cases_whatever_the_session_imported(tmp_path: Path) -> None:
+    """The CI tier's cases depend on its seed and strategies alone, not on which local modules the session imported
+    before it (hypothesis draws literals from their source now and then): a module full of literals, imported
+    between two draws of the CI tier's strategy, changes none of its cases."""
+    before = _drawn(40)
+    literals = [str(n) for n in (*range(2, 300), 4096, 65536, 1 << 20, -7)]
+    literals += [repr(f"k{n}") for n in range(200)] + [f"{n}.5" for n in range(50)] + [f"b'x{n}'" for n in range(50)]
+    (tmp_path / "fuzz_literals_here.py").write_text("LITERALS = [" + ", ".join(literals) + "]\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("fuzz_literals_here")
+        assert _drawn(40) == before, "the CI tier drew other cases after a module with literals was imported"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("fuzz_literals_here", None)
 
 
 def test_hypothesis_is_pinned_to_the_tested_release_series() -> None:
