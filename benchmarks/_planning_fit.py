@@ -34,7 +34,7 @@ def _metadata_direct(pspec: dict[str, Any], world: int, ours: bool) -> Any:
         TensorStorageMetadata,
     )
 
-    from dcp_cloud.dcp.layout import set_footer_table
+    from dcp_cloud.format.layout import set_footer_table
     from dcp_cloud.planner.load import share_chunk_lists
 
     props = TensorProperties(dtype=torch.float32)

@@ -170,7 +170,7 @@ def _results(plans: list[Any], ours: bool) -> list[list[Any]]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from dcp_cloud.dcp.layout import FOOTER_RESULT_ATTR
+    from dcp_cloud.format.layout import FOOTER_RESULT_ATTR
 
     out = []
     for r, plan in enumerate(plans):

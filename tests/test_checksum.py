@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_cloud.dcp.checksum import BlockHasher, bad_blocks, verify_blocks
 from dcp_cloud.errors import ChecksumMismatchError
+from dcp_cloud.format.checksum import BlockHasher, bad_blocks, verify_blocks
 
 
 def _reference(data: bytes, block: int) -> bytes:

@@ -14,8 +14,8 @@ import torch
 import dcp_cloud
 from dcp_cloud import BucketNotFoundError, S3Reader, S3Writer
 from dcp_cloud.cli.main import main
-from dcp_cloud.dcp.footer import item_extras
-from dcp_cloud.dcp.layout import load_metadata
+from dcp_cloud.format.footer import item_extras
+from dcp_cloud.format.layout import load_metadata
 from dcp_cloud.store.s3 import S3Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_cloud
 from dcp_cloud import ChecksumMismatchError, CloudReader, CloudWriter, TransferConfig
 from dcp_cloud.config import RetryConfig
-from dcp_cloud.dcp.footer import item_extras
-from dcp_cloud.dcp.layout import footer_table, load_metadata
+from dcp_cloud.format.footer import item_extras
+from dcp_cloud.format.layout import footer_table, load_metadata
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.wrapper import StoreWrapper
 from dcp_cloud.testing.backends import StoreBackend

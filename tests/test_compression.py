@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._extension import ZStandard
 
 import dcp_cloud
 from dcp_cloud import ChecksumMismatchError, ConfigError, CorruptCheckpointError, LocalReader, LocalWriter
-from dcp_cloud.dcp.layout import dump_metadata, load_metadata, transform_descriptors
+from dcp_cloud.format.layout import dump_metadata, load_metadata, transform_descriptors
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

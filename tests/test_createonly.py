@@ -1,4 +1,4 @@
-"""The create-only commit's probe (dcp_cloud.dcp.createonly) on a moto server: servers that honour
+"""The create-only commit's probe (dcp_cloud.format.createonly) on a moto server: servers that honour
 If-None-Match are recognised and the probe leaves nothing behind; a probe that cannot be deleted does not
 fail the commit; trusted stores (AWS itself, local, memory) are not probed. The servers that ignore the
 precondition (s3rver) are in tests/compat/test_compat_commit.py."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_cloud.dcp import createonly
 from dcp_cloud.errors import PreconditionFailedError
+from dcp_cloud.format import createonly
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.s3 import S3Config, S3Store
 from dcp_cloud.testing.faults import FaultyStore, StoreFaultPlan

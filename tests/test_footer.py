@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dcp_cloud import CloudWriter, CorruptCheckpointError
-from dcp_cloud.dcp.contenthash import digest
-from dcp_cloud.dcp.footer import DIGEST_VERSION, VERSION, FooterEntry, decode, decode_digests, encode, item_extras
-from dcp_cloud.dcp.layout import ItemExtras, footer_table, load_metadata
+from dcp_cloud.format.contenthash import digest
+from dcp_cloud.format.footer import DIGEST_VERSION, VERSION, FooterEntry, decode, decode_digests, encode, item_extras
+from dcp_cloud.format.layout import ItemExtras, footer_table, load_metadata
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.testing.backends import StoreBackend
 

@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_cloud
 from dcp_cloud import CloudWriter
-from dcp_cloud.dcp import framing, serialize
-from dcp_cloud.dcp.layout import load_metadata
+from dcp_cloud.format import framing, serialize
+from dcp_cloud.format.layout import load_metadata
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.testing.backends import StoreBackend
 

@@ -32,8 +32,8 @@ from dcp_cloud import (
     list_checkpoints,
     verify,
 )
-from dcp_cloud.dcp.footer import item_extras
-from dcp_cloud.dcp.layout import load_metadata
+from dcp_cloud.format.footer import item_extras
+from dcp_cloud.format.layout import load_metadata
 from dcp_cloud.store.local import UPLOADS_DIR, LocalStore
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.protocol import ObjectStore

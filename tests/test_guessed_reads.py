@@ -25,11 +25,11 @@ import dcp_cloud
 from dcp_cloud import AzureReader, AzureWriter, GCSReader, GCSWriter, RetryConfig, S3Reader, S3Writer, TransferConfig
 from dcp_cloud.dcp import prediction
 from dcp_cloud.dcp.chunks import ChunkIndex
-from dcp_cloud.dcp.footer import fetch
-from dcp_cloud.dcp.layout import ItemExtras, footer_table, load_metadata, transform_descriptors
 from dcp_cloud.dcp.reader import CloudReader
 from dcp_cloud.dcp.readplan import JOB_SPLIT_REQUESTS, MIN_SPLIT, TAIL_SLACK
 from dcp_cloud.dcp.writer import CloudWriter
+from dcp_cloud.format.footer import fetch
+from dcp_cloud.format.layout import ItemExtras, footer_table, load_metadata, transform_descriptors
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.store.wrapper import StoreWrapper
 from dcp_cloud.testing.backends import StoreBackend

@@ -65,7 +65,7 @@ def _load(uri: str, like: dict[str, Any], reader: Any = None) -> dict[str, Any]:
 
 
 def _records(bucket_client: Any, bucket: str, prefix: str) -> dict[str, str]:
-    from dcp_cloud.dcp.layout import load_metadata
+    from dcp_cloud.format.layout import load_metadata
 
     body = bucket_client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
     metadata = load_metadata(body, prefix)
@@ -162,8 +162,8 @@ def test_a_base_without_hashes_uploads_everything_with_one_warning(
 def test_a_base_with_hashes_in_its_metadata_still_skips(s3_bucket: str, moto_s3_client: Any) -> None:
     """Checkpoints of earlier versions kept the hashes in .metadata (and version-1 footers): still a base."""
     from dcp_cloud.dcp import incremental
-    from dcp_cloud.dcp.contenthash import digest
-    from dcp_cloud.dcp.layout import META_ATTR, dump_metadata, load_metadata
+    from dcp_cloud.format.contenthash import digest
+    from dcp_cloud.format.layout import META_ATTR, dump_metadata, load_metadata
 
     root = f"s3://{s3_bucket}/legacy"
     first = _ten(None)

@@ -32,8 +32,8 @@ from dcp_cloud import (
 )
 from dcp_cloud.cli.bars import Bars
 from dcp_cloud.cli.main import main
-from dcp_cloud.dcp.footer import item_extras
-from dcp_cloud.dcp.layout import dump_metadata, load_metadata
+from dcp_cloud.format.footer import item_extras
+from dcp_cloud.format.layout import dump_metadata, load_metadata
 from dcp_cloud.maintenance import dependents_of
 from dcp_cloud.store.local import LocalStore
 from dcp_cloud.store.memory import MemoryStore

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_cloud
-from dcp_cloud.dcp.layout import is_shard_path, shard_name, spread_dir
+from dcp_cloud.format.layout import is_shard_path, shard_name, spread_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_cloud.dcp.layout import spread_dir
 from dcp_cloud.errors import ConfigError, CorruptCheckpointError, InvalidStepError, MissingMetricError
+from dcp_cloud.format.layout import spread_dir
 from dcp_cloud.run.catalog import classify
 from dcp_cloud.run.naming import StepNaming, check_step
 from dcp_cloud.run.policy import Candidate, RetentionPolicy, decide

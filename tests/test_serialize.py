@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from dcp_cloud.dcp import serialize, torchprivate
+from dcp_cloud.format import serialize, torchprivate
 
 
 @pytest.mark.parametrize(

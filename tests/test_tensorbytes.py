@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_cloud.dcp.tensorbytes import contiguous_copy, copy_same, strided_bytes
+from dcp_cloud.format.tensorbytes import contiguous_copy, copy_same, strided_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.complex64, torch.float64]
 

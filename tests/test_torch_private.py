@@ -1,6 +1,6 @@
 """Private torch fast paths against their public fallbacks, on whatever torch is installed.
 
-Every private torch name dcp_cloud uses lives in :mod:`dcp_cloud.dcp.torchprivate`
+Every private torch name dcp_cloud uses lives in :mod:`dcp_cloud.format.torchprivate`
 behind a runtime check. Here each fast path must (a) pass its check on this
 torch, since the declared torch range is the tested range, and (b) give
 the same bytes or values as the public path it falls back to. The compat
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_cloud import ScaleLoadPlanner
-from dcp_cloud.dcp import torchprivate
 from dcp_cloud.dcp.commit import narrow_to
+from dcp_cloud.format import torchprivate
 from dcp_cloud.planner import load as planner_load
 
 # -- torch.save without the zip CRC32 ---------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import ObjectNotFoundError
+from ..format.layout import METADATA_NAME
 from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
@@ -15,7 +16,6 @@ from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder, TransferStats
 from ..uri import CheckpointURI, parse_uri
 from .backend import Backend
-from .layout import METADATA_NAME
 
 log = logging.getLogger("dcp_cloud")
 

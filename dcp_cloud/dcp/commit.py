@@ -11,8 +11,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
-from .compression import decode
-from .tensorbytes import copy_same
+from ..format.compression import decode
+from ..format.tensorbytes import copy_same
 
 __all__ = ["bounded_pieces", "commit", "commit_whole", "copy_into", "narrow_to"]
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from ..format import framing, serialize
+from ..format.tensorbytes import tensor_bytes
 from ..transfer.budget import ByteBudget
 from ..transfer.upload import ObjectWriter
-from . import framing, serialize
 from .devicering import Mover, Ring, device_path, moving, plain, routed
 from .ringstage import flat_bytes
-from .tensorbytes import tensor_bytes
 
 MiB = 1 << 20
 #: Items resolved ahead of the one being written, at most (their data is held until written).
@@ -42,7 +42,7 @@ _NO_FEED_COST = "synchronous saves copy each device tensor to pageable memory fi
 def feedable(data: Any) -> bool:
     """Whether ``data`` (what the planner resolved for an item) goes through the feed: a plain, contiguous
     tensor on a device, whose host copy torch.save would write with framing that does not depend on the
-    values (see :mod:`.framing`)."""
+    values (see :mod:`dcp_cloud.format.framing`)."""
     return (
         isinstance(data, torch.Tensor)
         and routed(data)

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from ..errors import DcpCloudError, DeviceCopyError
+from ..format.torchprivate import pickles_tensor_metadata
 from .pinledger import LEDGER, default_cap
-from .torchprivate import pickles_tensor_metadata
 
 log = logging.getLogger("dcp_cloud")
 

@@ -6,9 +6,9 @@ records name the base's bytes (``../step-1000/__0_<token>.distcp``, offset,
 length), exactly as stock torch's ``FileSystemReader`` resolves relative paths
 on a filesystem, so a downloaded run directory loads with plain torch.
 
-Every save records each item's content hash (:mod:`.contenthash`, XXH3-128 of
+Every save records each item's content hash (:mod:`dcp_cloud.format.contenthash`, XXH3-128 of
 the raw bytes) in the index footer of the object that holds it
-(:mod:`.footer`, version 2), so any checkpoint saved with the defaults can be
+(:mod:`dcp_cloud.format.footer`, version 2), so any checkpoint saved with the defaults can be
 a base. ``hashes=False`` opts out (version-1 footers, no hashing).
 
 How one save goes:
@@ -54,9 +54,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
-from ..uri import CheckpointURI, join_key, parse_uri
-from .contenthash import DIGEST_SIZE
-from .layout import (
+from ..format.contenthash import DIGEST_SIZE
+from ..format.layout import (
     META_ATTR,
     METADATA_NAME,
     footer_table,
@@ -65,6 +64,7 @@ from .layout import (
     tiled_objects,
     transform_descriptors,
 )
+from ..uri import CheckpointURI, join_key, parse_uri
 
 log = logging.getLogger("dcp_cloud")
 
@@ -238,7 +238,7 @@ UNCHECKED_RESULT_ATTR = "_dcp_cloud_unchecked"
 def with_digests(engine: Any, target: CheckpointURI, refs: dict[Any, BaseRef]) -> dict[Any, BaseRef]:
     """``refs`` with the hashes their base objects' footers record (one ranged GET per object, in parallel);
     a reference whose footer records none keeps ``digest=None``."""
-    from .footer import fetch_digests
+    from ..format.footer import fetch_digests
 
     wanted = {}
     for ref in refs.values():
@@ -272,7 +272,7 @@ class Sorted:
 def sort_out(items: Iterable[WriteItem], refs: dict[Any, BaseRef], resolve: Any, nbytes: Any) -> Sorted:
     """Hash each item that has a base reference with a hash (``resolve(item)``: its data) and keep it as a
     reference where the hashes match."""
-    from .contenthash import digest as content_digest
+    from ..format.contenthash import digest as content_digest
 
     out = Sorted([], {}, {})
     for item in items:

@@ -4,8 +4,9 @@
 ``torch.save`` and the :class:`ObjectWriter`: it finds the raw tensor bytes in
 torch.save's writes (by address), hashes them, uploads them in place, and
 gathers the framing writes around them. :func:`_write_framed` writes a tensor
-from framing learned earlier (:mod:`.framing`). :func:`_host_tensor` gives
-torch.save a CPU tensor whose storage is exactly its bytes.
+from framing learned earlier (:mod:`dcp_cloud.format.framing`).
+:func:`~dcp_cloud.format.tensorbytes.host_tensor` gives torch.save a CPU
+tensor whose storage is exactly its bytes.
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ import io
 from typing import Any
 
 import crc32c
-import numpy as np
 import torch
 
+from ..format import framing
+from ..format.checksum import Hasher
+from ..format.serialize import save_tensor
+from ..format.tensorbytes import buffer_address, contiguous_copy, host_tensor, plain_and_exact, tensor_bytes
 from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
-from . import framing
-from .checksum import Hasher
-from .serialize import save_tensor
-from .tensorbytes import contiguous_copy, tensor_bytes
-
-
-def _buffer_address(mv: memoryview) -> int:
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
 class _ItemTap(io.RawIOBase):
@@ -59,7 +55,7 @@ class _ItemTap(io.RawIOBase):
         self._hasher = hasher
         self._pending = bytearray()
         self._pos = 0
-        #: With ``capture``: the bytes before and after the raw bytes (see :mod:`.framing`).
+        #: With ``capture``: the bytes before and after the raw bytes (see :mod:`dcp_cloud.format.framing`).
         self._framing = (bytearray(), bytearray()) if capture else None
         #: The first error the object stream raised (torch.save hides it, see _write_item).
         self.error: BaseException | None = None
@@ -72,7 +68,7 @@ class _ItemTap(io.RawIOBase):
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         n = len(mv)
-        raw = self.raw_offset is None and n == self._nbytes and (n == 0 or _buffer_address(mv) == self._ptr)
+        raw = self.raw_offset is None and n == self._nbytes and (n == 0 or buffer_address(mv) == self._ptr)
         if raw:
             self.raw_offset = self._pos
             if self._hasher is not None:
@@ -117,7 +113,8 @@ class _ItemTap(io.RawIOBase):
 def _write_framed(
     sink: ObjectWriter, tensor: torch.Tensor, frame: tuple[bytes, bytes], hasher: Hasher | None, owner: Any
 ) -> int:
-    """Write ``tensor`` as torch.save would, from learned framing (see :mod:`.framing`); returns the raw offset."""
+    """Write ``tensor`` as torch.save would, from learned framing (see :mod:`dcp_cloud.format.framing`); returns
+    the raw offset."""
     header, trailer = frame
     raw = tensor_bytes(tensor, writable=False)
     if hasher is not None:
@@ -137,42 +134,6 @@ def _write_framed(
     return len(header)
 
 
-def _host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A CPU tensor whose storage is exactly its bytes (torch.save writes a tensor's whole
-    storage), and whether it is a copy made here (a temporary) rather than the caller's memory.
-
-    A contiguous CPU view into a larger buffer (FSDP2's sharded parameters,
-    slices of a flat buffer) gets a storage that is a slice of the buffer's:
-    the same memory, no copy. GPU tensors and non-contiguous views are copied.
-    """
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        return _host_tensor(tensor.to("cpu"))[0], True
-    if not tensor.is_contiguous():
-        return tensor.clone(memory_format=torch.contiguous_format), True
-    storage = tensor.untyped_storage()
-    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.nbytes:
-        return tensor, False
-    start = tensor.storage_offset() * tensor.element_size()
-    exact = storage[start : start + tensor.nbytes]
-    if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != tensor.nbytes:  # not a view: never seen
-        return tensor.clone(memory_format=torch.contiguous_format), True
-    return torch.empty(0, dtype=tensor.dtype).set_(exact, 0, tensor.shape, tensor.stride()), False
-
-
-def _plain_and_exact(data: Any) -> bool:
-    """A plain CPU tensor, not requiring grad, without Python state, whose storage is exactly its bytes."""
-    return (
-        type(data) is torch.Tensor
-        and not data.requires_grad
-        and data.device.type == "cpu"
-        and not data.__dict__
-        and data.storage_offset() == 0
-        and data.is_contiguous()
-        and data.untyped_storage().nbytes() == data.nbytes
-    )
-
-
 def write_tensor(stream: ObjectWriter, data: Any, hasher: Hasher, alignment: int, fqn: str) -> tuple[int, int]:
     """torch.save ``data`` (the tensor item ``fqn``) into the stream; returns the offset of its raw bytes in what
     was written, and their length. ``alignment``: torch.save's storage alignment (0: do not use learned framing)."""
@@ -188,7 +149,7 @@ def write_tensor(stream: ObjectWriter, data: Any, hasher: Hasher, alignment: int
     # A plain tensor that owns exactly its bytes is used as it is: detach()
     # would give the same bytes and the same torch.save output, at the price
     # of a torch op (see .tensorbytes) for each of thousands of items.
-    tensor, temporary = (data, False) if _plain_and_exact(data) else _host_tensor(data)
+    tensor, temporary = (data, False) if plain_and_exact(data) else host_tensor(data)
     temporary = temporary or gathered
     # The caller's memory is uploaded in place (``data`` stays referenced
     # with it); a temporary host copy is copied into part buffers instead,

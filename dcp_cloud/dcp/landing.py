@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from ..format.tensorbytes import tensor_bytes
 from .devicering import Mover, Ring, Slot, device_path, moving, ring_for
-from .tensorbytes import tensor_bytes
 
 #: Alignment of every allocation in a region (cache lines).
 _ALIGN = 64

@@ -29,10 +29,10 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import CorruptCheckpointError
+from ..format.layout import ItemExtras
+from ..format.tensorbytes import tensor_bytes
 from ..planner.layout import box_byte_run_array
-from .layout import ItemExtras
 from .readplan import plan_spans
-from .tensorbytes import tensor_bytes
 
 __all__ = ["LoadItem", "Piece", "plan_load_item"]
 

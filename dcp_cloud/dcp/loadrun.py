@@ -14,7 +14,7 @@ more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names the item.
 An item planned from guessed extras (:mod:`.prediction`) is confirmed by the
 same check, against its footer, before it is verified or committed. Where an
 object's items go in one request that ends by the object's footer, the footer
-is that request's tail (:class:`~dcp_cloud.dcp.footer.Rider`): one GET for the
+is that request's tail (:class:`~dcp_cloud.format.footer.Rider`): one GET for the
 object, and no read ever waits for a footer queued behind it.
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
@@ -48,21 +48,21 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..config import TransferConfig
 from ..errors import CorruptCheckpointError, DcpCloudError
+from ..format.footer import Rider
+from ..format.layout import ItemExtras
+from ..format.torchprivate import pickles_tensor_metadata
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder
 from .chunks import ChunkIndex
 from .commit import commit, commit_whole
 from .devicering import plain, routed
-from .footer import Rider
 from .landing import DeviceSpan, Landing, Move, open_landing
-from .layout import ItemExtras
 from .loaditem import LoadItem, plan_load_item
 from .prediction import Guess
 from .readcheck import ReadVerifier
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
 from .ringstage import flat_bytes
 from .staging import StagingConfig
-from .torchprivate import pickles_tensor_metadata
 
 log = logging.getLogger("dcp_cloud")
 
@@ -258,7 +258,7 @@ class LoadRun:
     def _prepare(self, item: LoadItem) -> None:
         """Resolve the destinations and lay out where every segment byte goes.
 
-        No torch op runs here for a direct destination (see :mod:`.tensorbytes`):
+        No torch op runs here for a direct destination (see :mod:`dcp_cloud.format.tensorbytes`):
         the transfer threads are busy while later items are prepared.
         """
         item.prepared = True

@@ -3,7 +3,7 @@
 A load of a checkpoint we wrote needs, before it can send a data GET, each
 item's raw offset (where torch.save's framing ends and the tensor's bytes
 begin) and checksum block size; both are in the object's index footer
-(:mod:`.footer`), one round trip away: 20-50 ms to S3, the time a stock
+(:mod:`dcp_cloud.format.footer`), one round trip away: 20-50 ms to S3, the time a stock
 reader's first data GET is already on its way. Both are predictable from
 what the metadata says of the item:
 
@@ -12,7 +12,7 @@ what the metadata says of the item:
   torch's serializer run once per layout, on an untouched tensor, into a
   sink that only counts);
 * the block size is what the writer picks for the item
-  (:func:`.checksum.checksum_block_for` of the bytes of the whole tensor,
+  (:func:`dcp_cloud.format.checksum.checksum_block_for` of the bytes of the whole tensor,
   all chunks, as torch's write item gives them), given the reader's
   ``checksum_block_size``;
 * bytes items and compressed items have no raw offset and are checked from
@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from . import serialize
-from .checksum import checksum_block_for
-from .framing import storage_alignment
-from .itemtap import _buffer_address
-from .layout import ItemExtras
+from ..format import serialize
+from ..format.checksum import checksum_block_for
+from ..format.framing import storage_alignment
+from ..format.layout import ItemExtras
+from ..format.tensorbytes import buffer_address
 
 #: Most layouts whose framing length is remembered per process.
 MAX_LAYOUTS = 4096
@@ -78,7 +78,7 @@ class _Locate(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b)
         n = mv.nbytes
-        if self.raw is None and n == self._nbytes and _buffer_address(mv.cast("B")) == self._ptr:
+        if self.raw is None and n == self._nbytes and buffer_address(mv.cast("B")) == self._ptr:
             self.raw = self.pos
         self.pos += n
         return n

@@ -27,7 +27,7 @@ footers are expected to hold; each is confirmed against its footer before
 its item is used (see :mod:`dcp_cloud.dcp.prediction`). Items written by
 stock torch carry no raw offsets: they are read whole and sliced, as stock
 torch does; so are compressed items (torch's ZStandard extension, see
-:mod:`.compression`).
+:mod:`dcp_cloud.format.compression`).
 """
 
 from __future__ import annotations
@@ -49,14 +49,9 @@ from torch.futures import Future as TorchFuture
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
-from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
-from ..transfer.engine import READ_BURST
-from .backend import Backend
-from .base import CloudBase, log
-from .chunks import ChunkIndex
-from .compression import check_descriptors
-from .footer import Rider, fetch_all, fetch_async, fetch_each
-from .layout import (
+from ..format.compression import check_descriptors
+from ..format.footer import Rider, fetch_all, fetch_async, fetch_each
+from ..format.layout import (
     METADATA_NAME,
     ItemExtras,
     extras_of,
@@ -65,6 +60,11 @@ from .layout import (
     tiled_objects,
     transform_descriptors,
 )
+from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
+from ..transfer.engine import READ_BURST
+from .backend import Backend
+from .base import CloudBase, log
+from .chunks import ChunkIndex
 from .loadrun import LoadRun
 from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess

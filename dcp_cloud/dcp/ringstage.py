@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..format.tensorbytes import tensor_bytes
 from .devicering import Mover, Ring, Slot
-from .tensorbytes import tensor_bytes
 
 #: Byte offsets of pieces inside a chunk are multiples of this (cache lines; any dtype).
 _ALIGN = 64

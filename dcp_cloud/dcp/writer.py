@@ -30,24 +30,15 @@ from torch.futures import Future
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointExistsError, PreconditionFailedError
-from ..planner.load import share_chunk_lists
-from ..planner.tiles import TileMap, tile_plan
-from ..store.clients import environment_digest
-from ..transfer.ranges import plan_part_size
-from ..transfer.upload import ObjectWriter, open_writer
-from . import compression as _compression
-from . import framing, incremental
-from .backend import Backend
-from .base import CloudBase, log
-from .checksum import checksum_block_for
-from .contenthash import ItemHasher
-from .contenthash import digest as content_digest
-from .createonly import put_create_only
-from .devicefeed import save_resolver, write_fed
-from .footer import FooterEntry
-from .footer import encode as encode_footer
-from .itemtap import _ItemTap, write_tensor
-from .layout import (
+from ..format import compression as _compression
+from ..format import framing
+from ..format.checksum import checksum_block_for
+from ..format.contenthash import ItemHasher
+from ..format.contenthash import digest as content_digest
+from ..format.createonly import put_create_only
+from ..format.footer import FooterEntry
+from ..format.footer import encode as encode_footer
+from ..format.layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
     TILED_RESULT_ATTR,
@@ -61,11 +52,21 @@ from .layout import (
     shard_name,
     storage_info,
 )
+from ..format.tensorbytes import values_of
+from ..planner.load import share_chunk_lists
+from ..planner.tiles import TileMap, tile_plan
+from ..store.clients import environment_digest
+from ..transfer.ranges import plan_part_size
+from ..transfer.upload import ObjectWriter, open_writer
+from . import incremental
+from .backend import Backend
+from .base import CloudBase, log
+from .devicefeed import save_resolver, write_fed
+from .itemtap import _ItemTap, write_tensor
 from .metashare import in_process_group
 from .stager import PooledStager
 from .staging import Lease, StagingConfig
 from .stripes import Committer, split_runs, stripe_count, stripe_name
-from .tensorbytes import values_of
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096

@@ -22,7 +22,7 @@ The functions take a URI and the same keyword arguments:
   scheme must then be the store's. It is not closed.
 
 A checkpoint is a *prefix* holding shard objects ``__<rank>_<token>.distcp``
-and, once committed, ``.metadata`` (see :mod:`dcp_cloud.dcp.layout`).
+and, once committed, ``.metadata`` (see :mod:`dcp_cloud.format.layout`).
 
 Garbage collection relies on object ages: it only ever removes objects (and
 aborts uploads) older than ``older_than`` seconds, so ``older_than`` must be

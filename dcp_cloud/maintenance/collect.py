@@ -163,7 +163,7 @@ class _Collector:
 
     def committed_checkpoint(self, prefix: str, objs: list[ObjectInfo]) -> None:
         """(c) shards of a committed checkpoint that its metadata does not reference."""
-        from ..dcp.layout import load_metadata
+        from ..format.layout import load_metadata
 
         self.committed.append(prefix)
         meta_key = f"{prefix}/{_METADATA}"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.layout import is_shard_path
 from ..errors import ConfigError, UnsupportedOperationError
+from ..format.layout import is_shard_path
 from ..store.protocol import ObjectInfo, ObjectStore, PendingUpload
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI, parse_uri, split_azure_url
@@ -194,8 +194,8 @@ def _open(
 
 def _read_committed(root: _Root) -> tuple[Any, bytes]:
     """The committed metadata of the checkpoint at ``root`` and its bytes; CheckpointNotFoundError if none."""
-    from ..dcp.layout import load_metadata
     from ..errors import CheckpointNotFoundError, ObjectNotFoundError
+    from ..format.layout import load_metadata
 
     checkpoint = root.checkpoint_uri(root.prefix)
     meta_key = f"{root.prefix}/{_METADATA}"

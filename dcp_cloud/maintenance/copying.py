@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.createonly import put_create_only
-from ..dcp.layout import is_shard_path
 from ..errors import (
     CheckpointExistsError,
     ConfigError,
@@ -48,6 +46,8 @@ from ..errors import (
     PreconditionFailedError,
     UnsupportedCheckpointError,
 )
+from ..format.createonly import put_create_only
+from ..format.layout import is_shard_path
 from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
@@ -195,7 +195,7 @@ def _copy(
     try:
         if overwrite:
             dst.store.put(meta_key, body)
-        else:  # one PutObject, never multipart: see dcp_cloud.dcp.createonly
+        else:  # one PutObject, never multipart: see dcp_cloud.format.createonly
             cache = (dst.backend, dst.bucket, environment_digest()) if dst.backend is not None else None
             put_create_only(dst.store, meta_key, body, cache)
     except PreconditionFailedError as exc:
@@ -272,7 +272,7 @@ def _standalone_names(source: str, names: list[str]) -> dict[str, str]:
 
 def _renamed_metadata(metadata: Any, rename: dict[str, str]) -> bytes:
     """The metadata of a standalone copy: records, footer table and hash table name the copied objects."""
-    from ..dcp.layout import META_ATTR, dump_metadata
+    from ..format.layout import META_ATTR, dump_metadata
 
     for info in metadata.storage_data.values():
         info.relative_path = rename[str(info.relative_path)]

@@ -39,8 +39,8 @@ def committed_under(root: _Root, scan_prefix: str) -> dict[str, Any]:
     cannot be read is logged and skipped (it cannot reference anything a
     reader would follow).
     """
-    from ..dcp.layout import load_metadata
     from ..errors import CorruptCheckpointError, ObjectNotFoundError
+    from ..format.layout import load_metadata
 
     listing = root.store.list(f"{scan_prefix.rstrip('/')}/" if scan_prefix else "")
     found = {}

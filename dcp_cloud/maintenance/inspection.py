@@ -99,7 +99,7 @@ def inspect_checkpoint(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..dcp.layout import transform_descriptors
+    from ..format.layout import transform_descriptors
     from .verification import ExtrasFinder
 
     root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)

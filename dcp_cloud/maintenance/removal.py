@@ -10,7 +10,7 @@ is gone still knows the leftovers are checkpoint objects: the prefix may
 hold only ``.metadata``, shard objects ``__<rank>_<token>.distcp`` (dcp_cloud
 and stock torch name them so), stock torch's ``.metadata.tmp``, per-rank
 ``__<rank>.metadata`` and the probe of an interrupted commit
-(``.metadata.create-only-probe``, see dcp_cloud.dcp.createonly) and the
+(``.metadata.create-only-probe``, see dcp_cloud.format.createonly) and the
 record a run's checkpoint manager keeps of a step (``.step.json``). Anything
 else under the prefix (another file, a nested checkpoint) makes rm refuse
 before it deletes anything.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.createonly import PROBE_NAME
-from ..dcp.layout import STEP_INFO_NAME, is_shard_path
 from ..errors import CheckpointInUseError, CheckpointNotFoundError, NotACheckpointError
+from ..format.createonly import PROBE_NAME
+from ..format.layout import STEP_INFO_NAME, is_shard_path
 from ..store.protocol import ObjectInfo, ObjectStore
 from .common import _METADATA, _dirname, _is_shard, _open, _pending_uploads_or_none, _Root, log
 from .dependents import committed_under, dependents_of

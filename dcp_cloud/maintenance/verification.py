@@ -72,8 +72,8 @@ def verify(
     committed at ``uri``, CorruptCheckpointError if the metadata is unreadable
     or a shard object is missing or truncated.
     """
-    from ..dcp.checksum import verify_blocks
-    from ..dcp.layout import load_metadata
+    from ..format.checksum import verify_blocks
+    from ..format.layout import load_metadata
 
     started = time.perf_counter()
     root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
@@ -183,15 +183,15 @@ class ExtrasFinder:
     where an item's checksums live."""
 
     def __init__(self, root: _Root, metadata: Any) -> None:
-        from ..dcp.layout import footer_table
+        from ..format.layout import footer_table
 
         self.root = root
         self.table = footer_table(metadata)
         self.footers: dict[str, dict[int, Any]] = {}
 
     def __call__(self, relative: str, info: Any, index: Any) -> Any:
-        from ..dcp.footer import fetch
-        from ..dcp.layout import extras_of
+        from ..format.footer import fetch
+        from ..format.layout import extras_of
 
         if self.table is None:
             return extras_of(info)
@@ -283,7 +283,7 @@ class StreamChecker:
         self._pos = 0
 
     def update(self, data: memoryview) -> None:
-        from ..dcp.checksum import BlockHasher
+        from ..format.checksum import BlockHasher
 
         end = self._pos + len(data)
         while self._next < len(self._regions):

@@ -16,7 +16,7 @@ indexed per tensor, at about stock's cost; checkpoints from torch before 2.4
 (no version) go through the stock planner unchanged.
 
 The search plans with torch's private planning helpers
-(:func:`dcp_cloud.dcp.torchprivate.planner_helpers`). The first plan checks
+(:func:`dcp_cloud.format.torchprivate.planner_helpers`). The first plan checks
 that they still give the stock read items for a small layout; where they are
 gone or do not, the planner is the stock one.
 """
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ..dcp.torchprivate import PlannerHelpers, planner_helpers
+from ..format.torchprivate import PlannerHelpers, planner_helpers
 
 log = logging.getLogger("dcp_cloud")
 

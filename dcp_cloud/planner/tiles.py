@@ -33,7 +33,7 @@ tile item its data, cut from the data the planner resolves for the chunk it
 came from. The writer also sizes a tiled save's checksum blocks by each item
 rather than by its whole tensor, and marks the objects it wrote, so that
 loads guess those blocks right and read the objects byte-precisely (see
-:func:`dcp_cloud.dcp.layout.tiled_objects`). Pure: no I/O.
+:func:`dcp_cloud.format.layout.tiled_objects`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ..dcp.tensorbytes import contiguous_copy
 from ..errors import DcpCloudError
+from ..format.tensorbytes import contiguous_copy
 
 __all__ = ["MIN_TILE_BYTES", "TileMap", "tile_boxes", "tile_plan"]
 

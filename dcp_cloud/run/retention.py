@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dcp.layout import METADATA_NAME
 from ..errors import DcpCloudError
+from ..format.layout import METADATA_NAME
 from ..store.protocol import ObjectInfo
 from .catalog import Catalog, Directory, Listing
 from .policy import Candidate, Decision, RetentionPolicy, decide

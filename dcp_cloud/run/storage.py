@@ -25,9 +25,9 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.backend import Backend
-from ..dcp.compression import validate as validate_compression
 from ..dcp.reader import CloudReader
 from ..dcp.staging import StagingConfig
+from ..format.compression import validate as validate_compression
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
 from ..uri import CheckpointURI

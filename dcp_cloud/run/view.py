@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..dcp.layout import METADATA_NAME
 from ..errors import CheckpointNotFoundError, NotARunError
+from ..format.layout import METADATA_NAME
 from ..store.protocol import ObjectInfo
 from .catalog import Catalog, Directory, Listing
 

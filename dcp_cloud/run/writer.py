@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..dcp.backend import Backend
-from ..dcp.createonly import put_create_only
-from ..dcp.layout import METADATA_NAME, STEP_INFO_NAME
 from ..dcp.writer import CloudWriter
 from ..errors import CheckpointExistsError, ObjectNotFoundError, PreconditionFailedError, StepExistsError
+from ..format.createonly import put_create_only
+from ..format.layout import METADATA_NAME, STEP_INFO_NAME
 from ..store.clients import environment_digest
 from .stepinfo import StepRecord, objects_of
 

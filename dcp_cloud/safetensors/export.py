@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
-from ..dcp.createonly import put_create_only
 from ..dcp.metashare import from_rank, portable
 from ..dcp.reader import CloudReader
 from ..errors import (
@@ -40,6 +39,7 @@ from ..errors import (
     PreconditionFailedError,
     StoreError,
 )
+from ..format.createonly import put_create_only
 from ..maintenance.common import _open, _Root, log
 from ..maintenance.progress import Progress, or_silent
 from ..store.clients import environment_digest

@@ -41,10 +41,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
-from ..dcp.layout import DCP_VERSION, ItemExtras, dump_metadata, storage_info
 from ..dcp.reader import CloudReader
 from ..dcp.staging import StagingConfig
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ..format.layout import DCP_VERSION, ItemExtras, dump_metadata, storage_info
 from ..uri import parse_uri
 from .format import INDEX_NAME, SINGLE_NAME, Header, header_length, parse_header, parse_index
 

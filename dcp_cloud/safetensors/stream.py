@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..dcp.commit import narrow_to
 from ..dcp.reader import CloudReader
-from ..dcp.tensorbytes import tensor_bytes
 from ..errors import CorruptCheckpointError
+from ..format.tensorbytes import tensor_bytes
 from ..maintenance.progress import Progress
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer

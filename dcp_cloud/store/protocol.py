@@ -146,7 +146,7 @@ class ObjectStore(Protocol):
 
         ``create_only`` raises PreconditionFailedError if ``key`` exists where the service evaluates the
         condition: AWS S3 and moto do, Ceph RGW 16 and s3rver ignore it and overwrite. Commits therefore
-        use :meth:`put` (see :mod:`dcp_cloud.dcp.createonly`).
+        use :meth:`put` (see :mod:`dcp_cloud.format.createonly`).
         """
         ...
 

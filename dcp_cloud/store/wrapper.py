@@ -44,7 +44,7 @@ class StoreWrapper:
         return fn()
 
     def trusts_create_only(self) -> bool:
-        """``inner``'s answer (see :mod:`dcp_cloud.dcp.createonly`); stores that do not say are trusted."""
+        """``inner``'s answer (see :mod:`dcp_cloud.format.createonly`); stores that do not say are trusted."""
         trusts = getattr(self.inner, "trusts_create_only", None)
         return True if trusts is None else bool(trusts())
 

@@ -22,8 +22,8 @@ from compat_matrix import ATOMIC_CREATE_ONLY, SMALL_PARTS, Compat
 
 import dcp_cloud
 from dcp_cloud import CheckpointExistsError, S3Writer
-from dcp_cloud.dcp import createonly
-from dcp_cloud.dcp.layout import load_metadata
+from dcp_cloud.format import createonly
+from dcp_cloud.format.layout import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ...dcp.layout import METADATA_NAME
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError, StepLostError
+from ...format.layout import METADATA_NAME
 from ..group import exchange
 from ..naming import check_step
 from .plan import LostStep, Tiers, complete_steps, known_steps, lost_steps

@@ -13,7 +13,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
+from ...format.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
 from ..naming import StepNaming
 
 #: Written into a local step directory once its drain to the object store committed.

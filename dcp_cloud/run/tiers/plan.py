@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME
+from ...format.layout import METADATA_NAME, STEP_INFO_NAME
 from .listing import LocalStep
 
 #: A move of one whole file: ``(source rank, destination rank, relative path, size)``.

@@ -17,10 +17,10 @@ import os
 from typing import Any
 
 from ...dcp.backend import LocalBackend
-from ...dcp.layout import METADATA_NAME, load_metadata
 from ...dcp.reader import CloudReader
 from ...dcp.typed import load as typed_load
 from ...errors import CorruptCheckpointError
+from ...format.layout import METADATA_NAME, load_metadata
 from ..group import exchange
 from ..saving import plain
 from .p2p import FileMove, move_files

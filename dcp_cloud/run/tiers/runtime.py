@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...dcp.backend import LocalBackend
-from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME
+from ...format.layout import METADATA_NAME, STEP_INFO_NAME
 from ..group import Groups, exchange
 from ..naming import StepNaming
 from ..stepinfo import StepRecord

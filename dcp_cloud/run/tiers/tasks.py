@@ -18,9 +18,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...dcp.createonly import put_create_only
-from ...dcp.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
 from ...errors import CorruptCheckpointError, PreconditionFailedError
+from ...format.createonly import put_create_only
+from ...format.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
 from ...store.clients import environment_digest
 from ..group import exchange
 from ..policy import Candidate, decide

@@ -212,7 +212,7 @@ class S3Store:
 
     def trusts_create_only(self) -> bool:
         """Whether the endpoint is AWS S3 itself, which refuses a create-only write of an existing key
-        (``If-None-Match: *``). S3-compatible servers vary; :mod:`dcp_cloud.dcp.createonly` probes them."""
+        (``If-None-Match: *``). S3-compatible servers vary; :mod:`dcp_cloud.format.createonly` probes them."""
         try:
             endpoint = self._client().meta.endpoint_url
         except DcpCloudError:

@@ -147,14 +147,14 @@ def decode(descs: Sequence[str] | None, data: bytes | bytearray | memoryview, wh
 
 def write_item(sink: Any, data: Any, hasher: Hasher | None, level: int) -> None:
     """Write one item (a ``BytesIO`` or a tensor) zstd-compressed into ``sink``, as stock torch would."""
-    from .itemtap import _host_tensor, _plain_and_exact
     from .serialize import save_tensor
+    from .tensorbytes import host_tensor, plain_and_exact
 
     out = CompressingSink(sink, hasher, level)
     if isinstance(data, io.BytesIO):
         out.write(data.getbuffer())
     else:
-        tensor = data if _plain_and_exact(data) else _host_tensor(data)[0]
+        tensor = data if plain_and_exact(data) else host_tensor(data)[0]
         try:
             save_tensor(tensor, out)
         except BaseException:

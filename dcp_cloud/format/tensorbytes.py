@@ -16,6 +16,8 @@ long as the view is used.
 :func:`copy_same` and :func:`contiguous_copy` copy a tile or a piece between
 its place in a larger tensor and a contiguous buffer through such views, on
 the calling thread, where torch would run an OpenMP parallel region.
+:func:`host_tensor` gives ``torch.save`` a CPU tensor whose storage is
+exactly its bytes (what the writer serializes, compresses and hashes).
 """
 
 from __future__ import annotations
@@ -115,3 +117,44 @@ def contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
     if not copy_same(out, tensor.detach()):
         return tensor.contiguous()
     return out
+
+
+def buffer_address(mv: memoryview) -> int:
+    """The address of a flat byte view's first byte (0 for an empty one)."""
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+def host_tensor(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A CPU tensor whose storage is exactly its bytes (torch.save writes a tensor's whole
+    storage), and whether it is a copy made here (a temporary) rather than the caller's memory.
+
+    A contiguous CPU view into a larger buffer (FSDP2's sharded parameters,
+    slices of a flat buffer) gets a storage that is a slice of the buffer's:
+    the same memory, no copy. GPU tensors and non-contiguous views are copied.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return host_tensor(tensor.to("cpu"))[0], True
+    if not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.nbytes:
+        return tensor, False
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = storage[start : start + tensor.nbytes]
+    if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != tensor.nbytes:  # not a view: never seen
+        return tensor.clone(memory_format=torch.contiguous_format), True
+    return torch.empty(0, dtype=tensor.dtype).set_(exact, 0, tensor.shape, tensor.stride()), False
+
+
+def plain_and_exact(data: Any) -> bool:
+    """A plain CPU tensor, not requiring grad, without Python state, whose storage is exactly its bytes."""
+    return (
+        type(data) is torch.Tensor
+        and not data.requires_grad
+        and data.device.type == "cpu"
+        and not data.__dict__
+        and data.storage_offset() == 0
+        and data.is_contiguous()
+        and data.untyped_storage().nbytes() == data.nbytes
+    )

@@ -14,7 +14,7 @@ A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
 Our extras per item are the offset of the raw tensor bytes inside the item
 (for byte-precise ranged reads) and per-block CRC32C checksums of those
 bytes. Since format 2 they live in an index footer at the end of each shard
-object (:mod:`dcp_cloud.dcp.footer`); the metadata only gains one
+object (:mod:`dcp_cloud.format.footer`); the metadata only gains one
 builtin-valued attribute on its ``StorageMeta`` (:data:`META_ATTR`) with the
 place of each object's footer, so ``.metadata`` stays the size of stock
 torch's. Format 1 (checkpoints written before) kept the extras on each
@@ -179,8 +179,8 @@ def set_footer_table(
 def tiled_objects(metadata: Metadata) -> frozenset[str]:
     """The objects a tiled save wrote (see :mod:`dcp_cloud.planner.tiles`), by relative path. Their items'
     checksum blocks are sized by each item's own bytes, not by its whole tensor's
-    (:func:`~dcp_cloud.dcp.checksum.checksum_block_for`), which a reader that guesses an item's block size
-    before its footer arrives must know (:mod:`.prediction`); and loads read them byte-precisely (no
+    (:func:`~dcp_cloud.format.checksum.checksum_block_for`), which a reader that guesses an item's block size
+    before its footer arrives must know (:mod:`dcp_cloud.dcp.prediction`); and loads read them byte-precisely (no
     ``reshard_gap`` read-through), as the tiles were cut for."""
     extras = getattr(metadata.storage_meta, META_ATTR, None)
     table = extras.get("tiled") if isinstance(extras, dict) else None

@@ -28,8 +28,7 @@ import torch
 import xxhash
 
 from .checksum import BlockHasher
-from .itemtap import _host_tensor, _plain_and_exact
-from .tensorbytes import tensor_bytes
+from .tensorbytes import host_tensor, plain_and_exact, tensor_bytes
 
 #: Bytes of one digest.
 DIGEST_SIZE = 16
@@ -52,7 +51,7 @@ def digest(data: Any) -> bytes:
         return hasher.digest()
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"cannot hash an item of type {type(data).__name__}")
-    tensor = data if _plain_and_exact(data) or _contiguous_cpu(data) else _host_tensor(data)[0]
+    tensor = data if plain_and_exact(data) or _contiguous_cpu(data) else host_tensor(data)[0]
     _update(hasher, tensor_bytes(tensor, writable=False))
     return hasher.digest()
 

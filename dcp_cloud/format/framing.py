@@ -4,7 +4,7 @@ Each stored tensor is what ``torch.save`` writes for it: a zip archive of
 ~1.5 KiB of framing (a pickle of the rebuild arguments, byte order, version,
 record headers, the central directory) around the raw bytes. For a plain
 CPU tensor whose storage is exactly its bytes, and with the zip CRC32 off
-(:mod:`dcp_cloud.dcp.serialize`), the framing depends only on the layout --
+(:mod:`dcp_cloud.format.serialize`), the framing depends only on the layout --
 dtype, shape, strides, size and the storage alignment -- not on the values. Running torch's Python
 pickler and zip writer for each of thousands of small tensors costs ~0.2 ms
 apiece, more than everything else the writer does for them.
@@ -54,7 +54,7 @@ def layout_of(tensor: torch.Tensor, alignment: int) -> Layout | None:
     The writer saves the host copy of a tensor: detached (no autograd, no
     Python state), and a contiguous CPU view of a larger buffer (FSDP2's
     sharded parameters) as a tensor whose storage is exactly its bytes
-    (``_host_tensor`` in :mod:`.itemtap`). So a contiguous CPU ``torch.Tensor`` or
+    (:func:`.tensorbytes.host_tensor`). So a contiguous CPU ``torch.Tensor`` or
     ``nn.Parameter`` -- not quantized or nested, without the conj/neg bits
     that torch.save pickles -- has a layout, wherever its storage starts, and
     only while torch.save can be run without the zip CRC32.

@@ -18,7 +18,7 @@ Version 2 is written when the save records content hashes (the default), so any
 checkpoint can be the base of an incremental save; version 1 without them.
 
 The metadata keeps one ``(offset, length)`` per object
-(:func:`dcp_cloud.dcp.layout.footer_table`), not per item, so a checkpoint's
+(:func:`dcp_cloud.format.layout.footer_table`), not per item, so a checkpoint's
 ``.metadata`` is stock-sized at any world size. A reader fetches the footer of
 each object it reads with one ranged GET (about 0.1% of the object, plus 32
 bytes per item), or, where it reads the whole object with one request, as the

@@ -40,7 +40,7 @@ def checksum_block_for(nbytes: int, max_block: int) -> int:
 
 class Hasher(Protocol):
     """What the writer's taps feed an item's checked bytes to (:class:`BlockHasher`, or
-    :class:`~dcp_cloud.dcp.contenthash.ItemHasher` for CRCs and the content hash at once)."""
+    :class:`~dcp_cloud.format.contenthash.ItemHasher` for CRCs and the content hash at once)."""
 
     def update(self, data: memoryview) -> None: ...
 
