@@ -211,7 +211,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # This process stands for one rank of a job of spec["world"]; the reader cuts a rank's reads by the
         # size of its job (every rank reads under one prefix at once), which it learns from the process group
         # this process does not have.
-        from dcp_cloud.dcp.reader import CloudReader
+        from dcp_cloud.dcp.load.reader import CloudReader
 
         CloudReader._world = lambda self: int(spec["world"])  # type: ignore[method-assign]
     probe = C.PeakProbe()

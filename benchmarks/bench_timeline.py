@@ -61,8 +61,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from dcp_cloud.dcp import readcheck as readcheck_module
-    from dcp_cloud.dcp import reader as reader_module
+    from dcp_cloud.dcp.load import readcheck as readcheck_module
+    from dcp_cloud.dcp.load import reader as reader_module
     from dcp_cloud.format import footer as footer_module
     from dcp_cloud.store.s3 import store as s3_store
 

@@ -12,10 +12,10 @@ import logging
 
 from .config import RetryConfig, TransferConfig
 from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
-from .dcp.reader import CloudReader
-from .dcp.staging import StagingConfig, free_staging_pool
+from .dcp.device.staging import StagingConfig, free_staging_pool
+from .dcp.load.reader import CloudReader
+from .dcp.save.writer import CloudWriter
 from .dcp.typed import load, save, typed_errors
-from .dcp.writer import CloudWriter
 from .errors import (
     AccessDeniedError,
     BucketNotFoundError,

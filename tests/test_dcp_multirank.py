@@ -279,7 +279,7 @@ def _retry_with_the_same_readers(rank: int, world_size: int, name: str, uri: str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dcp_cloud.dcp.reader import CloudReader
+    from dcp_cloud.dcp.load.reader import CloudReader
 
     values = {f"w{r}": torch.full((64,), float(r + 1)) for r in range(world_size)}
     dcp.save({"both": torch.arange(5.0), f"w{rank}": values[f"w{rank}"]}, storage_writer=_make("w", name, uri))

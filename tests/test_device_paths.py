@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 import dcp_cloud
 from dcp_cloud import DeviceCopyError, LocalReader, LocalWriter, StagingConfig, TransferConfig, free_staging_pool
-from dcp_cloud.dcp import devicering, pinledger, staging
-from dcp_cloud.dcp.commit import bounded_pieces
-from dcp_cloud.dcp.devicering import Mover, route_cpu
+from dcp_cloud.dcp.device import devicering, pinledger, staging
+from dcp_cloud.dcp.device.devicering import Mover, route_cpu
+from dcp_cloud.dcp.load.handover import bounded_pieces
 from dcp_cloud.testing.multirank import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_cloud import LocalReader, LocalWriter, StagingConfig, TransferConfig, free_staging_pool
-from dcp_cloud.dcp import devicering
-from dcp_cloud.dcp.devicefeed import SaveFeed, piece_bytes
-from dcp_cloud.dcp.devicering import DeferredMover, Mover, Ring, route_cpu
-from dcp_cloud.dcp.ringstage import copy_through_ring, plan_batches
-from dcp_cloud.dcp.staging import POOL, stage
+from dcp_cloud.dcp.device import devicering
+from dcp_cloud.dcp.device.devicefeed import SaveFeed, piece_bytes
+from dcp_cloud.dcp.device.devicering import DeferredMover, Mover, Ring, route_cpu
+from dcp_cloud.dcp.device.ringstage import copy_through_ring, plan_batches
+from dcp_cloud.dcp.device.staging import POOL, stage
 from dcp_cloud.errors import ConfigError
 from dcp_cloud.transfer.budget import ByteBudget
 
@@ -237,7 +237,7 @@ def test_tiny_budget_saves_device_items_as_before(tmp_path: Path) -> None:
 def test_tiled_save_from_a_device_goes_through_the_feed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiled save (``column_tiles``) from a device: each tile, cut on the device as a contiguous copy, comes
     off it through the feed; the checkpoint loads back (through the landing chunks, and with stock torch)."""
-    from dcp_cloud.dcp import writer as writer_module
+    from dcp_cloud.dcp.save import writer as writer_module
 
     g = torch.Generator().manual_seed(10)
     state: dict[str, Any] = {"w": torch.randn(512, 1024, generator=g), "v": torch.randn(3000, generator=g)}

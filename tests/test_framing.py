@@ -53,7 +53,7 @@ def _fresh_framing() -> None:
 
 
 def test_items_written_from_learned_framing_are_what_torch_save_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dcp_cloud.dcp import itemtap
+    from dcp_cloud.dcp.save import itemtap
 
     assert serialize.usable()
     framed = []

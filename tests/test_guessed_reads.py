@@ -1,4 +1,4 @@
-"""A load's first reads go out with the objects' index footers, from guessed extras (dcp_cloud.dcp.prediction).
+"""A load's first reads go out with the objects' index footers, from guessed extras (dcp_cloud.dcp.load.prediction).
 
 The guesses are checked here against what the writer records, every read is
 shown to leave before any footer is in, and a wrong guess (another block size,
@@ -23,11 +23,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import dcp_cloud
 from dcp_cloud import AzureReader, AzureWriter, GCSReader, GCSWriter, RetryConfig, S3Reader, S3Writer, TransferConfig
-from dcp_cloud.dcp import prediction
-from dcp_cloud.dcp.chunks import ChunkIndex
-from dcp_cloud.dcp.reader import CloudReader
-from dcp_cloud.dcp.readplan import JOB_SPLIT_REQUESTS, MIN_SPLIT, TAIL_SLACK
-from dcp_cloud.dcp.writer import CloudWriter
+from dcp_cloud.dcp.load import prediction
+from dcp_cloud.dcp.load.chunks import ChunkIndex
+from dcp_cloud.dcp.load.reader import CloudReader
+from dcp_cloud.dcp.load.readplan import JOB_SPLIT_REQUESTS, MIN_SPLIT, TAIL_SLACK
+from dcp_cloud.dcp.save.writer import CloudWriter
 from dcp_cloud.format.footer import fetch
 from dcp_cloud.format.layout import ItemExtras, footer_table, load_metadata, transform_descriptors
 from dcp_cloud.store.memory import MemoryStore
@@ -567,7 +567,7 @@ def test_an_abandoned_run_returns_every_lease() -> None:
     """After a wrong guess the run is abandoned and read again on the same engine: abandon() must hand back
     every byte it leased (scratch, whole-item buffers, the discard buffer), or the second pass would start
     with part of the budget gone."""
-    from dcp_cloud.dcp.loadrun import LoadRun
+    from dcp_cloud.dcp.load.loadrun import LoadRun
     from dcp_cloud.transfer.engine import TransferEngine
 
     transfer = TransferConfig(part_size=1 * MiB, max_inflight_parts=4)

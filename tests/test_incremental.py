@@ -161,7 +161,7 @@ def test_a_base_without_hashes_uploads_everything_with_one_warning(
 
 def test_a_base_with_hashes_in_its_metadata_still_skips(s3_bucket: str, moto_s3_client: Any) -> None:
     """Checkpoints of earlier versions kept the hashes in .metadata (and version-1 footers): still a base."""
-    from dcp_cloud.dcp import incremental
+    from dcp_cloud.dcp.save import incremental
     from dcp_cloud.format.contenthash import digest
     from dcp_cloud.format.layout import META_ATTR, dump_metadata, load_metadata
 
@@ -289,7 +289,7 @@ def test_base_in_another_bucket_or_store_is_a_config_error(s3_bucket: str, moto_
 def test_failed_incremental_save_leaves_the_base_and_commits_nothing(
     s3_bucket: str, moto_s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_cloud.dcp import writer as writer_module
+    from dcp_cloud.dcp.save import writer as writer_module
 
     root = f"s3://{s3_bucket}/run"
     first = _state(4, 1)

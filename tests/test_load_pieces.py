@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from dcp_cloud import CloudReader, CloudWriter, TransferConfig
-from dcp_cloud.dcp.loaditem import union_bytes
-from dcp_cloud.dcp.readplan import plan_spans
+from dcp_cloud.dcp.load.loaditem import union_bytes
+from dcp_cloud.dcp.load.readplan import plan_spans
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.testing.backends import StoreBackend
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_cloud import ChecksumMismatchError, LocalReader, LocalWriter, TransferConfig, TransientStoreError
 from dcp_cloud.config import cpu_share
-from dcp_cloud.dcp.readcheck import CHECK_STEP, ReadVerifier
+from dcp_cloud.dcp.load.readcheck import CHECK_STEP, ReadVerifier
 from dcp_cloud.store.local import LocalStore
 from dcp_cloud.store.localfs import LOCAL_FILESYSTEMS, filesystem_type
 

@@ -116,8 +116,8 @@ def test_tiled_objects_are_read_in_requests_the_budget_holds_twice_per_connectio
     """Tiles land through temporaries leased from the budget until their request lands: at 16 MiB requests
     a same-layout load of a tiled rank leased fewer requests than it had connections, and its last request
     waited for its first to land. A tiled object's requests are at most budget / (2 x concurrency)."""
-    from dcp_cloud.dcp.chunks import ChunkIndex
-    from dcp_cloud.dcp.loadrun import LoadRun
+    from dcp_cloud.dcp.load.chunks import ChunkIndex
+    from dcp_cloud.dcp.load.loadrun import LoadRun
     from dcp_cloud.transfer.stats import StatsRecorder
 
     config = TransferConfig(concurrency=8)  # budget 16 MiB x 8 = 128 MiB

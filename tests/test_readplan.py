@@ -1,4 +1,4 @@
-"""Properties of the load planner's request packing (dcp_cloud.dcp.readplan.plan_requests)."""
+"""Properties of the load planner's request packing (dcp_cloud.dcp.load.readplan.plan_requests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_cloud.dcp.readplan import (
+from dcp_cloud.dcp.load.readplan import (
     FRAMING_GAP,
     JOB_SPLIT_REQUESTS,
     MIN_SPLIT,

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from dcp_cloud import TransferConfig
-from dcp_cloud.dcp.readplan import FRAMING_GAP
+from dcp_cloud.dcp.load.readplan import FRAMING_GAP
 from dcp_cloud.testing.multirank import run_ranks
 
 BLOCK = TransferConfig().checksum_block_size  # checkpoints here are saved with the defaults
@@ -395,10 +395,10 @@ def test_load_into_cuda_tensors_copies_once(
     checkpoints: dict[str, Any], in_process_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import dcp_cloud
-    from dcp_cloud.dcp import commit
+    from dcp_cloud.dcp.load import handover
 
     slice_bytes = 64 * 1024
-    monkeypatch.setattr(commit, "DEVICE_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(handover, "DEVICE_SLICE_BYTES", slice_bytes)
     spec = {k: FOUR_RANK[k] for k in ("u", "v", "d1", "layers.3.w")}
     target = _plain_targets(spec, device="cuda")
     torch.cuda.synchronize()

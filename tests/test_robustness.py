@@ -105,7 +105,7 @@ def _save_and_die(rank: int, world_size: int, uri: str) -> None:
     """Rank 1 SIGKILLs itself once the first part of its object is uploaded (a tripwire on the part's request,
     after the store answered it): the part is on the server, the multipart upload open, nothing committed."""
     from dcp_cloud.dcp.backend import S3Backend
-    from dcp_cloud.dcp.writer import CloudWriter
+    from dcp_cloud.dcp.save.writer import CloudWriter
     from dcp_cloud.store.s3 import S3Config
     from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 

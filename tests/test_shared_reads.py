@@ -69,7 +69,7 @@ def _ranks_body(rank: int, world: int, bucket: str, urls: dict[str, str]) -> dic
     from torch.distributed.device_mesh import init_device_mesh
 
     import dcp_cloud
-    from dcp_cloud.dcp.sharedreads import COUNTS
+    from dcp_cloud.dcp.load.sharedreads import COUNTS
 
     out: dict[str, Any] = {}
     # DDP: one process saved (in the test), every rank wants everything
@@ -292,7 +292,7 @@ def test_span_of_a_box_is_what_reading_its_runs_through_covers(box: Any) -> None
         TensorStorageMetadata,
     )
 
-    from dcp_cloud.dcp.chunks import ChunkIndex
+    from dcp_cloud.dcp.load.chunks import ChunkIndex
 
     shape, dtype, offsets, lengths, gap = box
     chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))

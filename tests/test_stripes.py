@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_cloud import LocalWriter
 from dcp_cloud.config import RetryConfig, TransferConfig
-from dcp_cloud.dcp.reader import CloudReader
-from dcp_cloud.dcp.stripes import split_runs, stripe_count, stripe_name
-from dcp_cloud.dcp.writer import CloudWriter
+from dcp_cloud.dcp.load.reader import CloudReader
+from dcp_cloud.dcp.save.stripes import split_runs, stripe_count, stripe_name
+from dcp_cloud.dcp.save.writer import CloudWriter
 from dcp_cloud.errors import ChecksumMismatchError, DcpCloudError
 from dcp_cloud.format.layout import footer_table, is_shard_path, load_metadata, spread_dir
 from dcp_cloud.store.memory import MemoryStore

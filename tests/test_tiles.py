@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_
 
 import dcp_cloud
 from dcp_cloud import ConfigError, TransferConfig
-from dcp_cloud.dcp.readplan import FRAMING_GAP
+from dcp_cloud.dcp.load.readplan import FRAMING_GAP
 from dcp_cloud.planner.tiles import MIN_TILE_BYTES, TileMap, tile_boxes, tile_plan
 from dcp_cloud.testing.multirank import run_ranks
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_cloud import ScaleLoadPlanner
-from dcp_cloud.dcp.commit import narrow_to
+from dcp_cloud.dcp.load.handover import narrow_to
 from dcp_cloud.format import torchprivate
 from dcp_cloud.planner import load as planner_load
 
@@ -153,7 +153,7 @@ def _dtensor_paths(rank: int, world_size: int) -> list[str]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from dcp_cloud import StagingConfig
-    from dcp_cloud.dcp.staging import stage
+    from dcp_cloud.dcp.device.staging import stage
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
@@ -312,7 +312,7 @@ def test_dtype_itemsize_matches_torchs_private_element_size() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_public_pinning_page_locks_exactly_the_slab() -> None:
-    from dcp_cloud.dcp.devicering import pin_tensor as _pin
+    from dcp_cloud.dcp.device.devicering import pin_tensor as _pin
 
     slab = torch.empty(3 * 1024 * 1024 + 17, dtype=torch.uint8)
     assert not slab.is_pinned()

@@ -10,9 +10,9 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import ConfigError
 from ..store.protocol import PartLimits
 from .backend import AzureBackend, Backend, GCSBackend, LocalBackend, S3Backend
-from .reader import CloudReader
-from .staging import StagingConfig
-from .writer import CloudWriter
+from .device.staging import StagingConfig
+from .load.reader import CloudReader
+from .save.writer import CloudWriter
 
 
 def _s3_backend(endpoint_url: str | None, region: str | None, config: Any, limits: PartLimits | None) -> S3Backend:
@@ -129,7 +129,7 @@ class S3Writer(CloudWriter):
     object's index footer (about 1-2% of a save's CPU), so any checkpoint
     saved with the defaults can be a base; ``hashes=False`` opts out, and
     items of a base saved so are uploaded, not compared (with one warning).
-    See :mod:`dcp_cloud.dcp.incremental`.
+    See :mod:`dcp_cloud.dcp.save.incremental`.
 
     ``spread_prefixes=True`` puts each rank's object under a short hashed
     sub-prefix of the checkpoint (``step-100/7f/__3_<token>.distcp``), so S3

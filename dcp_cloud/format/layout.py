@@ -4,7 +4,7 @@ A checkpoint under ``<prefix>/`` is exactly what stock DCP writes:
 
 * ``<prefix>/__<rank>_<token>.distcp`` -- a rank's object, and
   ``__<rank>_<token>-<i>.distcp`` its further ones when its save is spread
-  over several (see :mod:`dcp_cloud.dcp.stripes`); each item in one is what
+  over several (see :mod:`dcp_cloud.dcp.save.stripes`); each item in one is what
   ``torch.save`` writes for the item (so the stock ``FileSystemReader`` can
   ``torch.load`` it). ``<token>`` is unique per save, so an overwrite never
   rewrites an object that committed metadata points at.
@@ -180,7 +180,7 @@ def tiled_objects(metadata: Metadata) -> frozenset[str]:
     """The objects a tiled save wrote (see :mod:`dcp_cloud.planner.tiles`), by relative path. Their items'
     checksum blocks are sized by each item's own bytes, not by its whole tensor's
     (:func:`~dcp_cloud.format.checksum.checksum_block_for`), which a reader that guesses an item's block size
-    before its footer arrives must know (:mod:`dcp_cloud.dcp.prediction`); and loads read them byte-precisely (no
+    before its footer arrives must know (:mod:`dcp_cloud.dcp.load.prediction`); and loads read them byte-precisely (no
     ``reshard_gap`` read-through), as the tiles were cut for."""
     extras = getattr(metadata.storage_meta, META_ATTR, None)
     table = extras.get("tiled") if isinstance(extras, dict) else None

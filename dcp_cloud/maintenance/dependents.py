@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..dcp.incremental import referenced_keys
+from ..dcp.save.incremental import referenced_keys
 from .common import _METADATA, _basename, _group, _Root, log
 
 __all__ = ["committed_under", "dependents_of", "referenced_keys"]

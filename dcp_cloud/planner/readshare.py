@@ -7,7 +7,7 @@ rank that wants them. The load's coordinator sees every rank's ReadItems in
 record (``relative_path, offset, length``: one stored item) and gives each
 record that is wanted over again by two or more ranks exactly one *owner*
 among them: the owner fetches it and sends it to the others over the process
-group (see :mod:`dcp_cloud.dcp.sharedreads`).
+group (see :mod:`dcp_cloud.dcp.load.sharedreads`).
 
 Owners are balanced by bytes, the mirror of the save side's
 :func:`~dcp_cloud.planner.save.balance_replicated`, counting each rank's own

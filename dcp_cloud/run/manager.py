@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.backend import Backend
-from ..dcp.staging import StagingConfig
+from ..dcp.device.staging import StagingConfig
 from ..errors import (
     CheckpointExistsError,
     ConfigError,

@@ -25,8 +25,8 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.backend import Backend
-from ..dcp.reader import CloudReader
-from ..dcp.staging import StagingConfig
+from ..dcp.device.staging import StagingConfig
+from ..dcp.load.reader import CloudReader
 from ..format.compression import validate as validate_compression
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore

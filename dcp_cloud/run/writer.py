@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..dcp.backend import Backend
-from ..dcp.writer import CloudWriter
+from ..dcp.save.writer import CloudWriter
 from ..errors import CheckpointExistsError, ObjectNotFoundError, PreconditionFailedError, StepExistsError
 from ..format.createonly import put_create_only
 from ..format.layout import METADATA_NAME, STEP_INFO_NAME

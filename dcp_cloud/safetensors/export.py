@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
+from ..dcp.load.reader import CloudReader
 from ..dcp.metashare import from_rank, portable
-from ..dcp.reader import CloudReader
 from ..errors import (
     CheckpointExistsError,
     ConfigError,

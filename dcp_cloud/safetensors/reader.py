@@ -1,6 +1,6 @@
 """SafetensorsReader: DCP's StorageReader for a directory of Hugging Face safetensors files on any store.
 
-It is :class:`~dcp_cloud.dcp.reader.CloudReader` with another source of metadata. Where the checkpoint
+It is :class:`~dcp_cloud.dcp.load.reader.CloudReader` with another source of metadata. Where the checkpoint
 reader fetches ``.metadata``, this one lists the directory, fetches the index (if any) and every file's
 header (one ranged GET each, of the first :data:`HEADER_GUESS` bytes, and a second only for a header
 longer than that), checks them (:func:`~.format.parse_header`), and describes the files as DCP metadata:
@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.api import backend_for
-from ..dcp.reader import CloudReader
-from ..dcp.staging import StagingConfig
+from ..dcp.device.staging import StagingConfig
+from ..dcp.load.reader import CloudReader
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..format.layout import DCP_VERSION, ItemExtras, dump_metadata, storage_info
 from ..uri import parse_uri

@@ -2,7 +2,7 @@
 
 The data goes in *stripes* (:func:`~.plan.plan_stripes`), through two stripe buffers: while one stripe is
 copied into the upload's parts (and the upload waits for its parts in flight), the next is read into the
-other buffer by the checkpoint reader itself (:class:`~dcp_cloud.dcp.reader.CloudReader`: byte-precise
+other buffer by the checkpoint reader itself (:class:`~dcp_cloud.dcp.load.reader.CloudReader`: byte-precise
 ranged reads straight into the stripe, every CRC32C checked, chunks saved along any dimension, legacy
 ShardedTensor layouts and stock-torch checkpoints alike), on a thread of its own. And once a file's last
 stripe is handed over, its upload is completed on another thread while the next file of the process
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..dcp.commit import narrow_to
-from ..dcp.reader import CloudReader
+from ..dcp.load.handover import narrow_to
+from ..dcp.load.reader import CloudReader
 from ..errors import CorruptCheckpointError
 from ..format.tensorbytes import tensor_bytes
 from ..maintenance.progress import Progress

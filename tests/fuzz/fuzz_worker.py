@@ -255,7 +255,7 @@ class CaseRun:
         self._save(self.base, FINAL, overwrite=True)
 
     def load(self) -> None:
-        from dcp_cloud.dcp.sharedreads import COUNTS
+        from dcp_cloud.dcp.load.sharedreads import COUNTS
 
         reuse = bool(self.case.opt("reader_reuse"))
         reader = self._kept_reader if reuse and self._kept_reader is not None else self._reader(self.ours)

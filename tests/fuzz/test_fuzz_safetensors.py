@@ -111,7 +111,7 @@ def _run(
     from fuzz_cases import encode_case
     from fuzz_world import Ranks
 
-    from dcp_cloud.dcp.sharedreads import COUNTS
+    from dcp_cloud.dcp.load.sharedreads import COUNTS
 
     ranks = Ranks(rank, world, 120.0)
     failures: list[str] = []

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ...dcp.backend import LocalBackend
-from ...dcp.reader import CloudReader
+from ...dcp.load.reader import CloudReader
 from ...dcp.typed import load as typed_load
 from ...errors import CorruptCheckpointError
 from ...format.layout import METADATA_NAME, load_metadata

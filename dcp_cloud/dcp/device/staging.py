@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from ..config import cpu_share
-from ..errors import ConfigError
-from ..format.torchprivate import dtensor_like, is_sharded_tensor
+from ...config import cpu_share
+from ...errors import ConfigError
+from ...format.torchprivate import dtensor_like, is_sharded_tensor
 from .devicering import PinCapError, cuda_paths_on, degrade, device_path, free_rings, moving, pin_tensor, plain, routed
 from .pinledger import LEDGER, default_cap
 from .ringstage import copy_through_ring

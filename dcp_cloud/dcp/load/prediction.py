@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from ..format import serialize
-from ..format.checksum import checksum_block_for
-from ..format.framing import storage_alignment
-from ..format.layout import ItemExtras
-from ..format.tensorbytes import buffer_address
+from ...format import serialize
+from ...format.checksum import checksum_block_for
+from ...format.framing import storage_alignment
+from ...format.layout import ItemExtras
+from ...format.tensorbytes import buffer_address
 
 #: Most layouts whose framing length is remembered per process.
 MAX_LAYOUTS = 4096

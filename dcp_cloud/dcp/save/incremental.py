@@ -53,9 +53,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
-from ..format.contenthash import DIGEST_SIZE
-from ..format.layout import (
+from ...errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
+from ...format.contenthash import DIGEST_SIZE
+from ...format.layout import (
     META_ATTR,
     METADATA_NAME,
     footer_table,
@@ -64,7 +64,7 @@ from ..format.layout import (
     tiled_objects,
     transform_descriptors,
 )
-from ..uri import CheckpointURI, join_key, parse_uri
+from ...uri import CheckpointURI, join_key, parse_uri
 
 log = logging.getLogger("dcp_cloud")
 
@@ -238,7 +238,7 @@ UNCHECKED_RESULT_ATTR = "_dcp_cloud_unchecked"
 def with_digests(engine: Any, target: CheckpointURI, refs: dict[Any, BaseRef]) -> dict[Any, BaseRef]:
     """``refs`` with the hashes their base objects' footers record (one ranged GET per object, in parallel);
     a reference whose footer records none keeps ``digest=None``."""
-    from ..format.footer import fetch_digests
+    from ...format.footer import fetch_digests
 
     wanted = {}
     for ref in refs.values():
@@ -272,7 +272,7 @@ class Sorted:
 def sort_out(items: Iterable[WriteItem], refs: dict[Any, BaseRef], resolve: Any, nbytes: Any) -> Sorted:
     """Hash each item that has a base reference with a hash (``resolve(item)``: its data) and keep it as a
     reference where the hashes match."""
-    from ..format.contenthash import digest as content_digest
+    from ...format.contenthash import digest as content_digest
 
     out = Sorted([], {}, {})
     for item in items:

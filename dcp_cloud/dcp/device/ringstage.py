@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..format.tensorbytes import tensor_bytes
+from ...format.tensorbytes import tensor_bytes
 from .devicering import Mover, Ring, Slot
 
 #: Byte offsets of pieces inside a chunk are multiples of this (cache lines; any dtype).

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..errors import ChecksumMismatchError
-from ..format.checksum import bad_blocks, slice_pieces, verify_blocks
-from ..format.layout import ItemExtras
-from ..store.localfs import take_views
-from ..store.protocol import ObjectStore
-from ..transfer.stats import StatsRecorder
+from ...errors import ChecksumMismatchError
+from ...format.checksum import bad_blocks, slice_pieces, verify_blocks
+from ...format.layout import ItemExtras
+from ...store.localfs import take_views
+from ...store.protocol import ObjectStore
+from ...transfer.stats import StatsRecorder
 from .prediction import Guess
 
 log = logging.getLogger("dcp_cloud")

@@ -20,11 +20,11 @@ For each requested region of a saved chunk, the reader computes the exact
 byte runs inside the stored tensor bytes (row-major layout math), widens them
 to whole checksum blocks when verifying, and packs the runs of all items of
 an object into few ranged GETs whose bodies are scattered straight into the
-destination tensors (see :mod:`dcp_cloud.dcp.loadrun` and
-:mod:`dcp_cloud.dcp.readplan`). Those reads leave together with the GETs of
+destination tensors (see :mod:`dcp_cloud.dcp.load.loadrun` and
+:mod:`dcp_cloud.dcp.load.readplan`). Those reads leave together with the GETs of
 the objects' index footers, from the raw offsets and block sizes the
 footers are expected to hold; each is confirmed against its footer before
-its item is used (see :mod:`dcp_cloud.dcp.prediction`). Items written by
+its item is used (see :mod:`dcp_cloud.dcp.load.prediction`). Items written by
 stock torch carry no raw offsets: they are read whole and sliced, as stock
 torch does; so are compressed items (torch's ZStandard extension, see
 :mod:`dcp_cloud.format.compression`).
@@ -47,11 +47,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from ..config import RetryConfig, TransferConfig
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
-from ..format.compression import check_descriptors
-from ..format.footer import Rider, fetch_all, fetch_async, fetch_each
-from ..format.layout import (
+from ...config import RetryConfig, TransferConfig
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
+from ...format.compression import check_descriptors
+from ...format.footer import Rider, fetch_all, fetch_async, fetch_each
+from ...format.layout import (
     METADATA_NAME,
     ItemExtras,
     extras_of,
@@ -60,17 +60,17 @@ from ..format.layout import (
     tiled_objects,
     transform_descriptors,
 )
-from ..planner.readshare import ShareSchedule, plan_sharing, record_wants
-from ..transfer.engine import READ_BURST
-from .backend import Backend
-from .base import CloudBase, log
+from ...planner.readshare import ShareSchedule, plan_sharing, record_wants
+from ...transfer.engine import READ_BURST
+from ..backend import Backend
+from ..base import CloudBase, log
+from ..device.staging import StagingConfig
+from ..metashare import broadcast_bytes, in_process_group, sharing_group
 from .chunks import ChunkIndex
 from .loadrun import LoadRun
-from .metashare import broadcast_bytes, in_process_group, sharing_group
 from .prediction import GuessMiss, confirmed, guess
 from .readplan import request_size
 from .sharedreads import Exchange, carry_failure
-from .staging import StagingConfig
 
 
 class CloudReader(CloudBase, StorageReader):
@@ -92,7 +92,7 @@ class CloudReader(CloudBase, StorageReader):
     ) -> None:
         CloudBase.__init__(self, checkpoint_id, backend, transfer, retry)
         #: The pinned ring that loads into device tensors land through (``ring_chunks``, ``ring_chunk_bytes``,
-        #: ``pin_memory``; see :mod:`.landing`).
+        #: ``pin_memory``; see :mod:`dcp_cloud.dcp.device.landing`).
         self.staging = staging or StagingConfig()
         #: The group ``dcp.load`` runs in (None: the default group); its rank 0 fetches the metadata.
         self.process_group = process_group

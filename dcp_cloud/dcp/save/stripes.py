@@ -22,9 +22,9 @@ import math
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..format.layout import SHARD_SUFFIX, spread_dir
-from ..store.protocol import ObjectInfo
-from ..transfer.upload import ObjectWriter
+from ...format.layout import SHARD_SUFFIX, spread_dir
+from ...store.protocol import ObjectInfo
+from ...transfer.upload import ObjectWriter
 
 __all__ = ["Committer", "split_runs", "stripe_count", "stripe_name"]
 

@@ -28,17 +28,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..config import RetryConfig, TransferConfig
-from ..errors import CheckpointExistsError, PreconditionFailedError
-from ..format import compression as _compression
-from ..format import framing
-from ..format.checksum import checksum_block_for
-from ..format.contenthash import ItemHasher
-from ..format.contenthash import digest as content_digest
-from ..format.createonly import put_create_only
-from ..format.footer import FooterEntry
-from ..format.footer import encode as encode_footer
-from ..format.layout import (
+from ...config import RetryConfig, TransferConfig
+from ...errors import CheckpointExistsError, PreconditionFailedError
+from ...format import compression as _compression
+from ...format import framing
+from ...format.checksum import checksum_block_for
+from ...format.contenthash import ItemHasher
+from ...format.contenthash import digest as content_digest
+from ...format.createonly import put_create_only
+from ...format.footer import FooterEntry
+from ...format.footer import encode as encode_footer
+from ...format.layout import (
     DCP_VERSION,
     FOOTER_RESULT_ATTR,
     TILED_RESULT_ATTR,
@@ -52,20 +52,20 @@ from ..format.layout import (
     shard_name,
     storage_info,
 )
-from ..format.tensorbytes import values_of
-from ..planner.load import share_chunk_lists
-from ..planner.tiles import TileMap, tile_plan
-from ..store.clients import environment_digest
-from ..transfer.ranges import plan_part_size
-from ..transfer.upload import ObjectWriter, open_writer
+from ...format.tensorbytes import values_of
+from ...planner.load import share_chunk_lists
+from ...planner.tiles import TileMap, tile_plan
+from ...store.clients import environment_digest
+from ...transfer.ranges import plan_part_size
+from ...transfer.upload import ObjectWriter, open_writer
+from ..backend import Backend
+from ..base import CloudBase, log
+from ..device.devicefeed import save_resolver, write_fed
+from ..device.staging import Lease, StagingConfig
+from ..metashare import in_process_group
 from . import incremental
-from .backend import Backend
-from .base import CloudBase, log
-from .devicefeed import save_resolver, write_fed
 from .itemtap import _ItemTap, write_tensor
-from .metashare import in_process_group
 from .stager import PooledStager
-from .staging import Lease, StagingConfig
 from .stripes import Committer, split_runs, stripe_count, stripe_name
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
@@ -86,7 +86,7 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
 
     It is also the stager of ``dcp.async_save``: the state is copied into host
     buffers of a process-wide pool that outlives the writer (see
-    :mod:`dcp_cloud.dcp.staging` and ``staging=StagingConfig(...)``), so
+    :mod:`dcp_cloud.dcp.device.staging` and ``staging=StagingConfig(...)``), so
     training waits for one copy, not for an allocation, on every save after
     the first.
     """

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..format import framing, serialize
-from ..format.tensorbytes import tensor_bytes
-from ..transfer.budget import ByteBudget
-from ..transfer.upload import ObjectWriter
+from ...format import framing, serialize
+from ...format.tensorbytes import tensor_bytes
+from ...transfer.budget import ByteBudget
+from ...transfer.upload import ObjectWriter
 from .devicering import Mover, Ring, device_path, moving, plain, routed
 from .ringstage import flat_bytes
 

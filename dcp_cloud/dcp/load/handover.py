@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError
-from ..format.compression import decode
-from ..format.tensorbytes import copy_same
+from ...errors import CorruptCheckpointError
+from ...format.compression import decode
+from ...format.tensorbytes import copy_same
 
 __all__ = ["bounded_pieces", "commit", "commit_whole", "copy_into", "narrow_to"]
 

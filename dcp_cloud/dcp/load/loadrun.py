@@ -3,7 +3,7 @@
 For every item with raw offsets (anything dcp_cloud wrote) the run computes
 the byte segments it needs (exact runs of the requested box, widened to
 whole checksum blocks when verifying), then packs the segments of each object
-into few ranged GETs (:func:`~dcp_cloud.dcp.readplan.iter_requests`). A
+into few ranged GETs (:func:`~dcp_cloud.dcp.load.readplan.iter_requests`). A
 request's body is scattered straight into the destination tensors where the
 layout allows (CPU, contiguous, same dtype and shape); otherwise into a
 temporary from the byte budget that is copied over when the item is
@@ -22,7 +22,7 @@ one request each, as before.
 
 A device destination (a CUDA tensor of the stored dtype and shape) gets
 its bytes through pinned ring chunks instead of a temporary of the whole
-tensor (:mod:`.landing`): each request reads them into a chunk, and they are
+tensor (:mod:`dcp_cloud.dcp.device.landing`): each request reads them into a chunk, and they are
 copied to the device, asynchronously, when the request lands.
 
 Memory: destinations are the caller's; temporaries, block-edge scratch,
@@ -46,23 +46,23 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from ..config import TransferConfig
-from ..errors import CorruptCheckpointError, DcpCloudError
-from ..format.footer import Rider
-from ..format.layout import ItemExtras
-from ..format.torchprivate import pickles_tensor_metadata
-from ..transfer.engine import TransferEngine
-from ..transfer.stats import StatsRecorder
+from ...config import TransferConfig
+from ...errors import CorruptCheckpointError, DcpCloudError
+from ...format.footer import Rider
+from ...format.layout import ItemExtras
+from ...format.torchprivate import pickles_tensor_metadata
+from ...transfer.engine import TransferEngine
+from ...transfer.stats import StatsRecorder
+from ..device.devicering import plain, routed
+from ..device.landing import DeviceSpan, Landing, Move, open_landing
+from ..device.ringstage import flat_bytes
+from ..device.staging import StagingConfig
 from .chunks import ChunkIndex
-from .commit import commit, commit_whole
-from .devicering import plain, routed
-from .landing import DeviceSpan, Landing, Move, open_landing
+from .handover import commit, commit_whole
 from .loaditem import LoadItem, plan_load_item
 from .prediction import Guess
 from .readcheck import ReadVerifier
 from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
-from .ringstage import flat_bytes
-from .staging import StagingConfig
 
 log = logging.getLogger("dcp_cloud")
 
@@ -92,7 +92,7 @@ class LoadRun:
         staging: StagingConfig | None = None,
     ) -> None:
         self.engine = engine
-        #: The ring device destinations land through (see :mod:`.landing`).
+        #: The ring device destinations land through (see :mod:`dcp_cloud.dcp.device.landing`).
         self.staging = staging or StagingConfig()
         self.landing: Landing | None = None
         self._no_landing = False

@@ -44,14 +44,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, DcpCloudError, StoreError
-from ..format.compression import check_descriptors
-from ..format.layout import ItemExtras, transform_descriptors
-from ..format.torchprivate import pickles_tensor_metadata
-from ..planner.readshare import RecordKey, SharedRecord, ShareSchedule
-from .commit import commit, commit_whole, narrow_to
+from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
+from ...format.compression import check_descriptors
+from ...format.layout import ItemExtras, transform_descriptors
+from ...format.torchprivate import pickles_tensor_metadata
+from ...planner.readshare import RecordKey, SharedRecord, ShareSchedule
+from ..metashare import from_rank, portable
+from .handover import commit, commit_whole, narrow_to
 from .loadrun import LoadRun
-from .metashare import from_rank, portable
 
 __all__ = ["Exchange", "SharedReadError", "carry_failure"]
 

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from ..errors import DcpCloudError, DeviceCopyError
-from ..format.torchprivate import pickles_tensor_metadata
+from ...errors import DcpCloudError, DeviceCopyError
+from ...format.torchprivate import pickles_tensor_metadata
 from .pinledger import LEDGER, default_cap
 
 log = logging.getLogger("dcp_cloud")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..format.tensorbytes import tensor_bytes
+from ...format.tensorbytes import tensor_bytes
 from .devicering import Mover, Ring, Slot, device_path, moving, ring_for
 
 #: Alignment of every allocation in a region (cache lines).
@@ -31,7 +31,7 @@ _NO_LANDING_COST = "loads into device tensors read each item into a host tempora
 
 class DeviceSpan:
     """Bytes ``[at, at + length)`` of a device tensor's flat bytes, in place of a memoryview in a load
-    item's fills (see :meth:`~dcp_cloud.dcp.loaditem.LoadItem.views`): the run gives it memory to land
+    item's fills (see :meth:`~dcp_cloud.dcp.load.loaditem.LoadItem.views`): the run gives it memory to land
     in with :meth:`Landing.place`."""
 
     __slots__ = ("at", "flat", "length")

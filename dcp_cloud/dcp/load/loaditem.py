@@ -3,7 +3,7 @@ bytes land.
 
 :func:`plan_load_item` plans an item (the byte runs of every wanted piece in
 the stored chunk, grouped into segments);
-:class:`~dcp_cloud.dcp.loadrun.LoadRun` prepares it (destination tensors or
+:class:`~dcp_cloud.dcp.load.loadrun.LoadRun` prepares it (destination tensors or
 temporaries, scratch for block edges), and scatters request bodies into it
 through :meth:`LoadItem.views`.
 
@@ -28,10 +28,10 @@ import numpy.typing as npt
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import CorruptCheckpointError
-from ..format.layout import ItemExtras
-from ..format.tensorbytes import tensor_bytes
-from ..planner.layout import box_byte_run_array
+from ...errors import CorruptCheckpointError
+from ...format.layout import ItemExtras
+from ...format.tensorbytes import tensor_bytes
+from ...planner.layout import box_byte_run_array
 from .readplan import plan_spans
 
 __all__ = ["LoadItem", "Piece", "plan_load_item"]
@@ -102,14 +102,14 @@ class LoadItem:
         self.copies: list[tuple[int, int, memoryview]] = []
         self.lease = 0
         #: Its one piece lands on a device through pinned chunks: ``fills`` hold
-        #: :class:`~dcp_cloud.dcp.landing.DeviceSpan` s where its bytes go (see :mod:`.loadrun`).
+        #: :class:`~dcp_cloud.dcp.device.landing.DeviceSpan` s where its bytes go (see :mod:`.loadrun`).
         self.device = False
 
     def lay_out(self, scratch_bytes: int, device: Any = None) -> None:
         """Where every segment byte goes (:attr:`fills` from :attr:`starts`), once each piece has its ``dest``:
         runs of a piece land in its destination's bytes, the rest of a segment (block edges, a gap) in
         ``scratch_bytes`` of scratch. ``device``: the bytes of the one piece's destination where it is on a
-        device (a :class:`~dcp_cloud.dcp.landing.DeviceSpan`), else they are the destination's memory."""
+        device (a :class:`~dcp_cloud.dcp.device.landing.DeviceSpan`), else they are the destination's memory."""
         base = self.base
         if self.runs is None:
             piece = self.pieces[0]

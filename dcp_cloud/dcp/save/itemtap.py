@@ -17,11 +17,11 @@ from typing import Any
 import crc32c
 import torch
 
-from ..format import framing
-from ..format.checksum import Hasher
-from ..format.serialize import save_tensor
-from ..format.tensorbytes import buffer_address, contiguous_copy, host_tensor, plain_and_exact, tensor_bytes
-from ..transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
+from ...format import framing
+from ...format.checksum import Hasher
+from ...format.serialize import save_tensor
+from ...format.tensorbytes import buffer_address, contiguous_copy, host_tensor, plain_and_exact, tensor_bytes
+from ...transfer.upload import MIN_BORROWED_WRITE, ObjectWriter
 
 
 class _ItemTap(io.RawIOBase):
