@@ -14,7 +14,7 @@ from ...errors import CorruptCheckpointError
 from ...format.compression import decode
 from ...format.tensorbytes import copy_same
 
-__all__ = ["bounded_pieces", "commit", "commit_whole", "copy_into", "narrow_to"]
+__all__ = ["bounded_pieces", "copy_into", "hand_over", "hand_over_whole", "narrow_to"]
 
 #: Largest device temporary a copy into a non-contiguous device region may make. Torch copies a host tensor
 #: into a strided device view through a contiguous device temporary of the whole view (a dim-1 shard of a
@@ -35,7 +35,7 @@ def narrow_to(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
     return out
 
 
-def commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
+def hand_over(planner: LoadPlanner, req: ReadItem, target: torch.Tensor, value: torch.Tensor | None, what: str) -> None:
     """Copy ``value`` into ``target`` (unless it was read in place) and hand it to the planner."""
     if value is not None:
         if tuple(target.shape) != tuple(value.shape):
@@ -78,7 +78,7 @@ def bounded_pieces(
         yield target[start : start + step], value[start : start + step]
 
 
-def commit_whole(
+def hand_over_whole(
     planner: LoadPlanner,
     req: ReadItem,
     info: Any,
@@ -98,7 +98,7 @@ def commit_whole(
         shape, dtype = raw
         saved = torch.frombuffer(data, dtype=dtype).view(tuple(shape)) if len(data) else torch.empty(shape, dtype=dtype)
         target = planner.resolve_tensor(req).detach()
-        commit(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)
+        hand_over(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)
         return
     try:
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -107,4 +107,4 @@ def commit_whole(
             f"{what} (bytes {info.offset}..{info.offset + info.length}) is not a readable tensor"
         ) from exc
     target = planner.resolve_tensor(req).detach()
-    commit(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)
+    hand_over(planner, req, target, narrow_to(saved, req.storage_offsets, req.lengths), what)

@@ -58,7 +58,7 @@ from ..device.landing import DeviceSpan, Landing, Move, open_landing
 from ..device.ringstage import flat_bytes
 from ..device.staging import StagingConfig
 from .chunks import ChunkIndex
-from .handover import commit, commit_whole
+from .handover import hand_over, hand_over_whole
 from .loaditem import LoadItem, plan_load_item
 from .prediction import Guess
 from .readcheck import ReadVerifier
@@ -231,7 +231,7 @@ class LoadRun:
         planner = self.planner
 
         def finish() -> None:
-            commit_whole(planner, req, info, buf, transforms, what, raw)
+            hand_over_whole(planner, req, info, buf, transforms, what, raw)
 
         self.pending.append(_Pending(futures, finish, lease, what))
 
@@ -310,7 +310,7 @@ class LoadRun:
         for piece in item.pieces:
             assert piece.target is not None
             if piece.sink is None:
-                commit(self.planner, piece.req, piece.target, None if piece.direct else piece.dest, item.what)
+                hand_over(self.planner, piece.req, piece.target, None if piece.direct else piece.dest, item.what)
             piece.target = piece.dest = None
         self._give(item.lease)
         item.fills = []

@@ -50,7 +50,7 @@ from ...format.layout import ItemExtras, transform_descriptors
 from ...format.torchprivate import pickles_tensor_metadata
 from ...planner.readshare import RecordKey, SharedRecord, ShareSchedule
 from ..metashare import from_rank, portable
-from .handover import commit, commit_whole, narrow_to
+from .handover import hand_over, hand_over_whole, narrow_to
 from .loadrun import LoadRun
 
 __all__ = ["Exchange", "SharedReadError", "carry_failure"]
@@ -219,7 +219,7 @@ class Exchange:
             slots, error = self._slots(rnd, modes)
             self._transfer(rnd, slots)  # on every rank, whatever its slots' failures: nobody is left waiting
             try:
-                self._commit(rnd, slots)
+                self._hand_over(rnd, slots)
             except Exception as exc:  # noqa: BLE001 - reported at the next status exchange
                 error = error or exc
             for rec in rnd:
@@ -421,7 +421,7 @@ class Exchange:
             for host, dev in tensors.values():
                 host.copy_(dev)
 
-    def _commit(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
+    def _hand_over(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
         """Hand every item of this rank that wants a record of the round to the planner."""
         for rec in rnd:
             slot = slots[rec.key]
@@ -429,7 +429,7 @@ class Exchange:
                 for info, req, what in self.mine.get(rec.key, ()):
                     assert slot.whole is not None
                     COUNTS["whole"] += 1
-                    commit_whole(self.planner, req, info, slot.whole, transform_descriptors(info), what)
+                    hand_over_whole(self.planner, req, info, slot.whole, transform_descriptors(info), what)
                 continue
             if slot.direct:
                 _, req, _, target = slot.targets[0]
@@ -442,7 +442,7 @@ class Exchange:
             stored = slot.buf.view(slot.dtype).reshape(slot.shape)
             for _info, req, what, target in slot.targets:
                 COUNTS["raw_staged"] += 1
-                commit(self.planner, req, target, narrow_to(stored, req.storage_offsets, req.lengths), what)
+                hand_over(self.planner, req, target, narrow_to(stored, req.storage_offsets, req.lengths), what)
             slot.buf = None
 
 

@@ -9,11 +9,11 @@ busy as the parts of one multipart upload would keep. Stock
 ``FileSystemWriter`` writes ``thread_count`` files per rank the same way; the
 objects are ordinary shard objects, each with its own index footer.
 
-:class:`Committer` commits each object on a thread of its own as soon as its
-last item is written, so the next object is written meanwhile. If anything
-fails, every object not yet committed is aborted; objects already committed
-are unreferenced (no ``.metadata`` names them) and ``dcp_cloud.gc`` removes
-them, as it does the objects of a rank whose peer failed.
+:class:`Finisher` finishes each object (completes its upload) on a thread of
+its own as soon as its last item is written, so the next object is written
+meanwhile. If anything fails, every object not yet finished is aborted;
+objects already finished are unreferenced (no ``.metadata`` names them) and
+``dcp_cloud.gc`` removes them, as it does the objects of a rank whose peer failed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ...format.layout import SHARD_SUFFIX, spread_dir
 from ...store.protocol import ObjectInfo
 from ...transfer.upload import ObjectWriter
 
-__all__ = ["Committer", "split_runs", "stripe_count", "stripe_name"]
+__all__ = ["Finisher", "split_runs", "stripe_count", "stripe_name"]
 
 
 def stripe_count(total: int, part_size: int, max_objects: int) -> int:
@@ -78,12 +78,13 @@ def stripe_name(name: str, index: int) -> str:
     return f"{spread_dir(striped)}/{striped}" if head else striped
 
 
-class Committer:
-    """Commits a rank's objects in parallel with writing the next; aborts what is not committed on failure.
+class Finisher:
+    """Finishes a rank's objects in parallel with writing the next; aborts what is not finished on failure.
 
-    Use as a context manager: :meth:`commit` each stream after its last
+    Use as a context manager: :meth:`finish` each stream after its last
     write, :meth:`wait` for all of them; leaving the block by an exception
-    aborts every stream not committed (after the commits under way end).
+    aborts every stream not finished (after the ones under way end).
+    Finishing a stream is :meth:`ObjectWriter.commit`: its upload completes.
     """
 
     def __init__(self, objects: int) -> None:
@@ -96,8 +97,8 @@ class Committer:
         self._streams.append(stream)
         return stream
 
-    def commit(self, stream: ObjectWriter) -> None:
-        """Commit ``stream`` (in the background when there are several objects); raises a commit that
+    def finish(self, stream: ObjectWriter) -> None:
+        """Finish ``stream`` (in the background when there are several objects); raises a finish that
         already failed, so a rank stops writing soon after a failure."""
         if self._pool is None:
             stream.commit()
@@ -108,21 +109,21 @@ class Committer:
         self._futures.append(self._pool.submit(stream.commit))
 
     def wait(self) -> None:
-        """Wait for every commit; raises the first failure."""
+        """Wait for every finish; raises the first failure."""
         for fut in self._futures:
             fut.result()
 
     def abort(self) -> None:
-        """Let the commits under way end, then abort every stream not committed (never raises)."""
+        """Let the finishes under way end, then abort every stream not finished (never raises)."""
         for fut in self._futures:
             try:
                 fut.result()
-            except BaseException:  # noqa: BLE001, S110 - a failed commit aborted its own stream
+            except BaseException:  # noqa: BLE001, S110 - a failed finish aborted its own stream
                 pass
         for stream in self._streams:
             stream.abort()
 
-    def __enter__(self) -> Committer:
+    def __enter__(self) -> Finisher:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:

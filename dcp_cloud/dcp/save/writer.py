@@ -66,7 +66,7 @@ from ..metashare import in_process_group
 from . import incremental
 from .itemtap import _ItemTap, write_tensor
 from .stager import PooledStager
-from .stripes import Committer, split_runs, stripe_count, stripe_name
+from .stripes import Finisher, split_runs, stripe_count, stripe_name
 
 #: Allowance for torch.save framing around each tensor when sizing parts.
 _FRAMING_ALLOWANCE = 4096
@@ -308,11 +308,11 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
             lambda: max(engine.part_size_for(sum(sizes[i] for i in run)) for run in runs),
             self._alignment if self.compression is None else 0,
         )
-        with Committer(len(runs)) as committer, contextlib.closing(resolver):
+        with Finisher(len(runs)) as finisher, contextlib.closing(resolver):
             for index, run in enumerate(runs):
                 name = stripe_name(shard.name, index)
                 key = self.uri.key(name)
-                stream = committer.track(open_writer(engine, key, sum(sizes[i] for i in run)))
+                stream = finisher.track(open_writer(engine, key, sum(sizes[i] for i in run)))
                 first = len(results)
                 entries: list[FooterEntry] = []
                 for i in run:
@@ -332,8 +332,8 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
                 if self._tiles_on:
                     setattr(results[first].storage_data, TILED_RESULT_ATTR, True)
                 stream.write(footer)
-                committer.commit(stream)
-            committer.wait()
+                finisher.finish(stream)
+            finisher.wait()
         return engine.budget.peak
 
     def _write_item(
