@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -249,7 +250,7 @@ class _CountingStore(MemoryStore):
     def __init__(self, sweeps: bool | None) -> None:
         super().__init__()
         if sweeps is not None:
-            self.sweeps_after_complete = sweeps
+            self.capabilities = dataclasses.replace(self.capabilities, sweeps_after_complete=sweeps)
         self.aborts = 0
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
@@ -273,9 +274,9 @@ def test_s3_store_needs_no_sweep() -> None:
     from dcp_cloud.store.s3 import S3Store
     from dcp_cloud.store.wrapper import StoreWrapper
 
-    assert S3Store.sweeps_after_complete is False
-    assert StoreWrapper(S3Store("bucket")).sweeps_after_complete is False
-    assert StoreWrapper(MemoryStore()).sweeps_after_complete is True
+    assert S3Store.capabilities.sweeps_after_complete is False
+    assert StoreWrapper(S3Store("bucket")).capabilities.sweeps_after_complete is False
+    assert StoreWrapper(MemoryStore()).capabilities.sweeps_after_complete is True
 
 
 def test_default_save_of_transposed_and_plain_weights_in_turn_finishes(tmp_path: object) -> None:

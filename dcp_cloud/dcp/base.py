@@ -79,9 +79,7 @@ class CloudBase:
         while the first request of a load or save (of .metadata) is on its way: the parallel requests after it
         then find them open instead of each paying a TCP (and TLS) handshake first. That request opens (or finds)
         the last of the ``concurrency`` connections."""
-        warm = getattr(self.store, "warm", None)
-        if warm is not None:
-            warm(self.transfer.concurrency - 1)
+        self.store.warm(self.transfer.concurrency - 1)
 
     def _retrying(self) -> RetryingStore:
         hooks = RetryHooks(on_attempt=self._recorder.on_attempt, on_retry=self._recorder.on_retry)

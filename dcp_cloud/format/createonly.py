@@ -38,11 +38,6 @@ _lock = threading.Lock()
 _verdicts: dict[Hashable, bool] = {}
 
 
-def _trusted(store: ObjectStore) -> bool:
-    trusts = getattr(store, "trusts_create_only", None)
-    return True if trusts is None else bool(trusts())
-
-
 def _probe(store: ObjectStore, key: str) -> bool:
     """Whether ``store``'s server refuses a second create-only write of ``key`` (the probe is deleted after)."""
     try:
@@ -61,7 +56,7 @@ def _probe(store: ObjectStore, key: str) -> bool:
 def honours_create_only(store: ObjectStore, probe_key: str, cache_key: Hashable | None) -> bool:
     """Whether create-only writes of ``store`` are refused when the key exists (probed with ``probe_key`` at
     most once per ``cache_key`` and process; ``cache_key=None`` probes every time)."""
-    if _trusted(store):
+    if store.trusts_create_only():
         return True
     if cache_key is not None:
         with _lock:

@@ -185,9 +185,7 @@ class RunStorage:
         """Build the root store's client now, without a request (its HTTP library's imports, credentials): a
         restart's load runs it before its reads start, so it does not hold the interpreter beside them."""
         try:
-            warm = getattr(self._root().raw, "warm", None)
-            if warm is not None:
-                warm(0)
+            self._root().raw.warm(0)
         except Exception:  # noqa: BLE001 - the first request reports what is wrong
             pass
 

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import (
@@ -44,7 +44,7 @@ from ..errors import (
 from .localfs import append_file, cpu_bound_readers, fsync_dir, link_noreplace, pread_staged, pwrite_all, write_all
 from .payload import Payload, payload_size, payload_views
 from .payload import out_view as _out_view
-from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload, ReadStages, StoreCapabilities
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -74,10 +74,10 @@ class LocalStore:
     """
 
     scheme = "file"
-    #: A request costs no round trip: readers fetch index footers before the data rather than guess them.
-    instant_requests = True
-    #: ``read_into`` takes ``stages``: a load checks its bytes step by step as they are read.
-    staged_reads = True
+    #: Parts written in place (``put_part_at``); a request costs no round trip (readers fetch index footers
+    #: before the data rather than guess them); ``read_into`` takes ``stages`` (a load checks its bytes step
+    #: by step as they are read).
+    capabilities = StoreCapabilities(positional_parts=True, instant_requests=True, staged_reads=True)
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         if not str(root):
@@ -229,9 +229,7 @@ class LocalStore:
             raise self._error(exc, source_key if not source.exists() else key, "copy") from exc
         return ObjectInfo(key, final.stat().st_size, str(mtime), mtime / 1e9)
 
-    def read_into(
-        self, key: str, start: int, outs: Sequence[memoryview], stages: Sequence[tuple[int, Callable[[], None]]] = ()
-    ) -> None:
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview], stages: ReadStages = ()) -> None:
         """As every store's; ``stages``: ``(end, fn)`` pairs in order of ``end`` (offsets into ``outs``): the
         read stops at each ``end`` to call ``fn`` (which checks the bytes read so far while they are still in
         the CPU's cache) before it goes on."""
@@ -396,9 +394,6 @@ class LocalStore:
         # the latest upload of each number, as S3 does.
         return PartInfo(number, token, payload_size(views))
 
-    #: ``put_part_at`` is available: the engine writes parts in place at their offsets.
-    positional_parts = True
-
     def put_part_at(self, key: str, upload_id: str, number: int, offset: int, data: Payload) -> PartInfo:
         """Write part ``number`` in place at byte ``offset`` of the object (all parts of one upload this way)."""
         if not 1 <= number <= self.limits.max_parts or offset < 0:
@@ -516,6 +511,14 @@ class LocalStore:
 
     def close(self) -> None:
         return None
+
+    def warm(self, connections: int) -> None:
+        """Nothing to open."""
+        return None
+
+    def trusts_create_only(self) -> bool:
+        """A create-only write is a link that fails where the name exists."""
+        return True
 
 
 __all__ = ["LOCAL_PART_LIMITS", "LocalStore"]

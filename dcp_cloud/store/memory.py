@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, PreconditionFailedError, StoreError
 from .payload import Payload, payload_bytes, payload_views
-from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from .protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload, StoreCapabilities
 
 MiB = 1024 * 1024
 
@@ -22,6 +22,9 @@ class MemoryStore:
     """
 
     scheme = "memory"
+    capabilities = StoreCapabilities()
+    #: Reads wait on nothing worth sizing a load by.
+    read_workers: int | None = None
 
     def __init__(self, bucket: str = "mem", limits: PartLimits | None = None) -> None:
         self.bucket = bucket
@@ -161,3 +164,11 @@ class MemoryStore:
 
     def close(self) -> None:
         return None
+
+    def warm(self, connections: int) -> None:
+        """Nothing to open."""
+        return None
+
+    def trusts_create_only(self) -> bool:
+        """A create-only write is checked under the store's lock."""
+        return True

@@ -9,17 +9,35 @@ the transfer engine calls them from a pool of worker threads.
 are uploaded in parallel. S3 maps it to multipart uploads; GCS maps it to
 temporary component objects joined by ``compose``; the local store to part
 files joined on completion. The engine never knows which.
+
+What a backend can do beyond the protocol's methods it declares in
+:class:`StoreCapabilities` (its ``capabilities``); wrappers pass their inner
+store's on. Nothing is found out by looking for attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .payload import Buffer, Payload
 
-__all__ = ["Buffer", "ObjectInfo", "ObjectStore", "PartInfo", "PartLimits", "Payload", "PendingUpload"]
+__all__ = [
+    "Buffer",
+    "ObjectInfo",
+    "ObjectStore",
+    "PartInfo",
+    "PartLimits",
+    "Payload",
+    "PendingUpload",
+    "ReadStages",
+    "StoreCapabilities",
+]
+
+#: ``(end, fn)`` pairs in order of ``end`` (offsets into a read's ``outs``): :meth:`ObjectStore.read_into` stops
+#: at each ``end`` to call ``fn`` before it reads on (only where ``capabilities.staged_reads``).
+ReadStages = Sequence[tuple[int, Callable[[], None]]]
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,34 @@ class PartLimits:
     max_parts: int
 
 
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store can do beyond the protocol, declared by each backend as ``capabilities``.
+
+    The defaults are what a store that declares nothing gets: S3, GCS, Azure Blob Storage and the
+    in-memory store declare only where they differ from them; the local directory store differs most.
+    Wrappers (the retry loop, the test harness's fault injection and tripwires) declare their inner
+    store's, less what they do not pass through.
+    """
+
+    #: Parts may be written in place at their offsets with ``put_part_at(key, upload_id, number, offset, data)``
+    #: (the local store: every part but the last is the upload's part size; no byte is copied on completion).
+    positional_parts: bool = False
+    #: A request costs no round trip (a local file): readers fetch index footers before the data rather than
+    #: guess them.
+    instant_requests: bool = False
+    #: ``read_into`` takes ``stages`` (see :data:`ReadStages`): a load checks its bytes step by step as they
+    #: are read, while they are still in the CPU's cache (the local store).
+    staged_reads: bool = False
+    #: A completed upload may leave parts behind that an abort must release (GCS composite temporaries whose
+    #: one-shot delete failed; the local and in-memory stores are swept too, at no cost). S3 and Azure Blob
+    #: Storage consume the parts on completion and say False: one request less per save.
+    sweeps_after_complete: bool = True
+    #: ``list`` returns keys in byte order (S3 general purpose buckets, GCS, Azure Blob Storage, the local and
+    #: in-memory stores). S3 Express directory buckets list in no order and will say False.
+    ordered_listing: bool = True
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """One bucket of an object store. See the module docstring for the rules."""
@@ -75,6 +121,8 @@ class ObjectStore(Protocol):
     #: The bucket (or root directory) this store is bound to.
     bucket: str
     limits: PartLimits
+    #: What the store can do beyond these methods (see :class:`StoreCapabilities`).
+    capabilities: StoreCapabilities
 
     def url(self, key: str) -> str:
         """The user-facing URL of ``key`` (used in messages)."""
@@ -95,13 +143,15 @@ class ObjectStore(Protocol):
         """
         ...
 
-    def read_into(self, key: str, start: int, outs: Sequence[memoryview]) -> None:
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview], stages: ReadStages = ()) -> None:
         """Read ``sum(len(o) for o in outs)`` bytes of ``key`` from ``start``, scattered into ``outs``.
 
         One request: the body fills ``outs[0]``, then ``outs[1]``, ... in order
         (a scatter read, so nearby ranges coalesce into one GET without a copy).
         A short body raises TransientStoreError (retryable); a range past the end
-        of the object raises CorruptCheckpointError.
+        of the object raises CorruptCheckpointError. ``stages`` is passed only to
+        a store whose ``capabilities.staged_reads`` is True (see
+        :data:`ReadStages`); a store without may leave the parameter out.
         """
         ...
 
@@ -114,7 +164,7 @@ class ObjectStore(Protocol):
         ...
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        """All objects whose key starts with ``prefix``, in key order."""
+        """All objects whose key starts with ``prefix``, in key order where ``capabilities.ordered_listing``."""
         ...
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -160,4 +210,24 @@ class ObjectStore(Protocol):
 
     def close(self) -> None:
         """Release clients and connections (the store may be used again after)."""
+        ...
+
+    # Questions a store answers when asked, not once (so not in ``capabilities``): each may build the
+    # store's client or look at the machine.
+
+    def warm(self, connections: int) -> None:
+        """Build the client, and open up to ``connections`` connections in the background, ready for the first
+        parallel requests of a load or save; never raises (the first request reports what is wrong). S3 (the
+        lean client's pool), GCS and Azure Blob Storage warm; the local and in-memory stores do nothing."""
+        ...
+
+    @property
+    def read_workers(self) -> int | None:
+        """Most reads worth running at once, where fewer than a load's concurrency (the local store on a local
+        filesystem: reads are copies bound by the CPU); None elsewhere. Asked per load, never kept."""
+        ...
+
+    def trusts_create_only(self) -> bool:
+        """Whether ``put(create_only=True)`` is refused over an existing key without a probe: True but for S3
+        at an endpoint other than AWS's, which :mod:`dcp_cloud.format.createonly` probes once."""
         ...

@@ -8,9 +8,10 @@ the protocol plumbing they share.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
-from .protocol import ObjectInfo, ObjectStore, PartInfo, Payload, PendingUpload
+from .protocol import ObjectInfo, ObjectStore, PartInfo, Payload, PendingUpload, ReadStages, StoreCapabilities
 
 T = TypeVar("T")
 
@@ -27,26 +28,30 @@ class StoreWrapper:
         self.scheme = inner.scheme
         self.bucket = inner.bucket
         self.limits = inner.limits
-        #: Whether ``inner`` takes parts at their offsets (``put_part_at``, the local store).
-        self.positional_parts: bool = bool(getattr(inner, "positional_parts", False))
-        #: Whether a request of ``inner`` costs no round trip (a local file; see ``LocalStore``).
-        self.instant_requests: bool = bool(getattr(inner, "instant_requests", False))
-        #: Whether ``read_into`` takes ``stages`` (see ``LocalStore.read_into``): where ``inner``'s does and this
-        #: wrapper's passes them through (a wrapper that does something to the bytes read does not).
-        self.staged_reads: bool = bool(getattr(inner, "staged_reads", False)) and (
-            type(self).read_into is StoreWrapper.read_into
+        #: ``inner``'s, but ``staged_reads`` only where this wrapper's ``read_into`` passes ``stages`` through
+        #: (a wrapper that does something to the bytes read does not).
+        self.capabilities: StoreCapabilities = replace(
+            inner.capabilities,
+            staged_reads=inner.capabilities.staged_reads and type(self).read_into is StoreWrapper.read_into,
         )
-        #: Whether a completed upload may leave parts behind that an abort must release (GCS composites);
-        #: stores that do not say so are swept.
-        self.sweeps_after_complete: bool = bool(getattr(inner, "sweeps_after_complete", True))
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         return fn()
 
     def trusts_create_only(self) -> bool:
-        """``inner``'s answer (see :mod:`dcp_cloud.format.createonly`); stores that do not say are trusted."""
-        trusts = getattr(self.inner, "trusts_create_only", None)
-        return True if trusts is None else bool(trusts())
+        """``inner``'s answer (see :mod:`dcp_cloud.format.createonly`)."""
+        return self.inner.trusts_create_only()
+
+    @property
+    def read_workers(self) -> int | None:
+        """None: not ``inner``'s, as before (loads ask the store they open, which a wrapper is only in tests;
+        :class:`~dcp_cloud.testing.faults.FaultyStore` passes ``inner``'s on)."""
+        return None
+
+    def warm(self, connections: int) -> None:
+        """Nothing, as before (a wrapper is warmed only where a test opens it as a backend's store;
+        :class:`~dcp_cloud.testing.faults.FaultyStore` warms ``inner``)."""
+        return None
 
     def url(self, key: str) -> str:
         return self.inner.url(key)
@@ -57,12 +62,10 @@ class StoreWrapper:
     def put(self, key: str, data: Payload, *, create_only: bool = False, crc32c: int | None = None) -> ObjectInfo:
         return self._call("put", lambda: self.inner.put(key, data, create_only=create_only, crc32c=crc32c))
 
-    def read_into(
-        self, key: str, start: int, outs: Sequence[memoryview], stages: Sequence[tuple[int, Callable[[], None]]] = ()
-    ) -> None:
-        """``stages`` only where :attr:`staged_reads`."""
+    def read_into(self, key: str, start: int, outs: Sequence[memoryview], stages: ReadStages = ()) -> None:
+        """``stages`` only where ``capabilities.staged_reads``."""
         if stages:
-            self._call("read", lambda: self.inner.read_into(key, start, outs, stages))  # type: ignore[call-arg]
+            self._call("read", lambda: self.inner.read_into(key, start, outs, stages))
         else:
             self._call("read", lambda: self.inner.read_into(key, start, outs))
 
@@ -88,7 +91,7 @@ class StoreWrapper:
         return self._call("put_part", lambda: self.inner.put_part(key, upload_id, number, data, crc32c=crc32c))
 
     def put_part_at(self, key: str, upload_id: str, number: int, offset: int, data: Payload) -> PartInfo:
-        """Only where ``positional_parts``: part ``number`` in place at ``offset`` of the object."""
+        """Only where ``capabilities.positional_parts``: part ``number`` in place at ``offset`` of the object."""
         return self._call("put_part", lambda: self.inner.put_part_at(key, upload_id, number, offset, data))  # type: ignore[attr-defined]
 
     def complete_multipart(

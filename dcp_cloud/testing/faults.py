@@ -209,6 +209,15 @@ class FaultyStore(StoreWrapper):
                     break
                 pos += len(view)
 
+    @property
+    def read_workers(self) -> int | None:
+        """``inner``'s (this wrapper stands in for a backend's store in tests)."""
+        return self.inner.read_workers
+
+    def warm(self, connections: int) -> None:
+        """Warm ``inner`` (this wrapper stands in for a backend's store in tests)."""
+        self.inner.warm(connections)
+
     def __getattr__(self, name: str) -> Any:  # store-specific extras (e.g. S3Store.config) pass through
         if name == "inner":
             raise AttributeError(name)

@@ -191,7 +191,7 @@ class TransferEngine:
         """Scatter-read ``key`` from ``start`` into ``outs`` with exactly one request (the caller sized it).
 
         ``check`` is called as for :meth:`read` (offset 0, all of ``outs``). ``stages`` (only where the store
-        has ``staged_reads``): ``(end, fn)`` pairs, in order of ``end`` (offsets into ``outs``); the read
+        has ``capabilities.staged_reads``): ``(end, fn)`` pairs, in order of ``end`` (offsets into ``outs``); the read
         stops at each ``end`` to call ``fn`` before it goes on.
         """
         return self.submit(self._read_piece, key, start, list(outs), 0, check, stages)

@@ -224,7 +224,7 @@ class ObjectWriter(io.RawIOBase):
         try:
             if self._aborted.is_set():
                 raise StoreError(f"{self._store.url(self.key)}: upload aborted")
-            if self._store.positional_parts:  # every part but the last is part_size long
+            if self._store.capabilities.positional_parts:  # every part but the last is part_size long
                 offset = (number - 1) * self._part_size
                 info = self._store.put_part_at(self.key, self._upload_id or "", number, offset, pieces)
             else:
@@ -283,7 +283,7 @@ class ObjectWriter(io.RawIOBase):
             info = self._store.head(self.key)
             if info.size != self._pos:
                 raise
-        if getattr(self._store, "sweeps_after_complete", True):
+        if self._store.capabilities.sweeps_after_complete:
             self._sweep()
         return info
 

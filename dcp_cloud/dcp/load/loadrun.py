@@ -129,7 +129,7 @@ class LoadRun:
         self._b_lease = 0
         #: Whether requests check their bytes step by step as they are read (see _stages): where the store
         #: reads in stages (a local directory).
-        self.stepped = bool(getattr(engine.store, "staged_reads", False))
+        self.stepped = engine.store.capabilities.staged_reads
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:

@@ -111,7 +111,7 @@ class CloudReader(CloudBase, StorageReader):
         #: where a request costs no round trip to save (a local directory): there a footer is in before a guess
         #: could gain anything, and reads verified as they land (no footer riding on the last) keep the checks
         #: beside the reads, in the workers, rather than after them in the thread that lands them.
-        self._guessing = self.transfer.speculative_reads and not getattr(self.store, "instant_requests", False)
+        self._guessing = self.transfer.speculative_reads and not self.store.capabilities.instant_requests
         self._metadata: Metadata | None = None
         self._metadata_error: BaseException | None = None
         #: ``.metadata`` as fetched by the constructor of the rank that shares it, until read_metadata sends it.
@@ -310,7 +310,7 @@ class CloudReader(CloudBase, StorageReader):
     def _read_transfer(self) -> TransferConfig:
         """``transfer`` with ``concurrency`` cut to the store's ``read_workers`` where it has them (a local
         filesystem: reads bound by the CPU)."""
-        workers = getattr(self.store, "read_workers", None)
+        workers = self.store.read_workers
         if workers is None or workers >= self.transfer.concurrency:
             return self.transfer
         return replace(self.transfer, concurrency=workers)

@@ -23,7 +23,7 @@ from ...errors import (
 from ..clients import shared_client
 from ..payload import Payload, payload_size, payload_views
 from ..payload import out_view as _out_view
-from ..protocol import ObjectInfo, PartLimits
+from ..protocol import ObjectInfo, PartLimits, StoreCapabilities
 from ..rawbody import read_ranged_body
 from .auth import resolve
 from .blocks import _BlockUploads
@@ -65,7 +65,9 @@ class AzureStore(_BlockUploads):
 
     scheme = "az"
     #: A committed block list discards the blob's other uncommitted blocks: nothing to sweep after it.
-    sweeps_after_complete = False
+    capabilities = StoreCapabilities(sweeps_after_complete=False)
+    #: Reads wait on round trips: a load's concurrency stands.
+    read_workers: int | None = None
 
     def __init__(
         self,
@@ -167,6 +169,10 @@ class AzureStore(_BlockUploads):
         except DcpCloudError:
             return  # the first request reports it
         client.warm(min(connections, self.max_connections))
+
+    def trusts_create_only(self) -> bool:
+        """Not probed: Azure Blob Storage evaluates ``If-None-Match: *`` itself."""
+        return True
 
     def _account(self) -> str:
         client = self._client_obj

@@ -22,7 +22,7 @@ from ...errors import (
 )
 from ..clients import shared_client
 from ..payload import Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
-from ..protocol import ObjectInfo, PartLimits
+from ..protocol import ObjectInfo, PartLimits, StoreCapabilities
 from ..warmup import session_pool, warm_pool
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
 from .config import GCSConfig, _require, _resolve_credentials
@@ -52,6 +52,10 @@ class GCSStore(_CompositeUploads):
     """One GCS bucket as an :class:`~dcp_cloud.store.protocol.ObjectStore` (see the package docstring)."""
 
     scheme = "gs"
+    #: Compose leaves its temporary components behind where their one-shot delete failed: swept after.
+    capabilities = StoreCapabilities()
+    #: Reads wait on round trips: a load's concurrency stands.
+    read_workers: int | None = None
 
     def __init__(
         self,
@@ -382,6 +386,10 @@ class GCSStore(_CompositeUploads):
         # Individual DELETEs in parallel: the JSON batch endpoint is not
         # implemented by the emulators, so it could not be tested.
         self._parallel(self._delete_one, list(dict.fromkeys(keys)))
+
+    def trusts_create_only(self) -> bool:
+        """Not probed: GCS evaluates ``ifGenerationMatch=0`` on every upload (see the package docstring)."""
+        return True
 
     def close(self) -> None:
         """Let go of the client; it is shared with the process's other stores (``dcp_cloud.close_clients()``

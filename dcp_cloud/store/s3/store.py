@@ -13,7 +13,7 @@ from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..clients import shared_client
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
 from ..payload import out_view as _out_view
-from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload
+from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload, StoreCapabilities
 from ..rawbody import read_ranged_body
 from .botoclient import make_botocore_client
 from .config import S3Config, _require
@@ -83,7 +83,9 @@ class S3Store:
     #: Largest object copied with one CopyObject, and the part size of larger copies (S3's limit).
     copy_part_size = 5 * 1024 * 1024 * 1024
     #: CompleteMultipartUpload consumes the parts: no abort needs to follow it (it would cost a request).
-    sweeps_after_complete = False
+    capabilities = StoreCapabilities(sweeps_after_complete=False)
+    #: Reads wait on round trips: a load's concurrency stands.
+    read_workers: int | None = None
     #: Keys asked for per ListObjectsV2 / ListMultipartUploads page.
     _list_page_size = 1000
 
