@@ -18,7 +18,9 @@ from urllib.parse import parse_qs, urlsplit
 import crc32c
 import pytest
 
+from dcp_cloud.errors import ConfigError, ObjectNotFoundError
 from dcp_cloud.store.s3 import S3Config, S3Store
+from dcp_cloud.store.s3.headers import HEADERS, RequestOptions, wire_headers
 from dcp_cloud.store.s3.lean import LeanS3Client, lean_settings
 from dcp_cloud.store.s3.sigv4 import Credentials, payload_sha256, sign
 
@@ -305,3 +307,69 @@ def test_fallback_builds_botocore_once(s3_store: S3Store) -> None:
     first: Callable[..., Any] = client.get_paginator  # not lean: botocore's, built on first use
     assert client.botocore() is client.botocore()
     assert first.__self__ is client.botocore()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("method", "op", "extra"),
+    [
+        ("put_object", "PutObject", {"ServerSideEncryption": "AES256"}),
+        ("put_object", "PutObject", {"IfMatch": '"etag"', "StorageClass": "GLACIER"}),
+        ("upload_part", "UploadPart", {"IfNoneMatch": "*"}),  # botocore's model has no precondition on a part
+        ("create_multipart_upload", "CreateMultipartUpload", {"StorageClass": "STANDARD_IA"}),
+        ("complete_multipart_upload", "CompleteMultipartUpload", {"ChecksumCRC32C": "AAAAAA=="}),
+    ],
+)
+def test_lean_refuses_a_keyword_it_cannot_send(s3_store: S3Store, method: str, op: str, extra: dict[str, str]) -> None:
+    """A botocore keyword without a header row is refused before anything is sent, never dropped."""
+    client = s3_store._client()
+    assert isinstance(client, LeanS3Client)
+    args: dict[str, Any] = {"Bucket": s3_store.bucket, "Key": "refused"}
+    if method in ("put_object", "upload_part"):
+        args["Body"] = b"never sent"
+    if method in ("upload_part", "complete_multipart_upload"):
+        args["UploadId"] = s3_store.create_multipart("refused")
+        args.update({"PartNumber": 1} if method == "upload_part" else {"MultipartUpload": {"Parts": []}})
+    with pytest.raises(ConfigError) as raised:
+        getattr(client, method)(**args, **extra)
+    assert op in str(raised.value) and all(name in str(raised.value) for name in extra)
+    assert isinstance(raised.value, ValueError)
+    with pytest.raises(ObjectNotFoundError):
+        s3_store.head("refused")
+    if method == "create_multipart_upload":
+        assert s3_store.list_multipart("refused") == []
+
+
+@pytest.mark.parametrize("op", sorted(HEADERS))
+def test_both_clients_send_the_header_table(recorder: Recorder, op: str) -> None:
+    """Every option of every row, as botocore's keywords: botocore's service model names the row's header for
+    the keyword, and botocore and the lean client both send exactly the row's headers, with the same values."""
+    import botocore.session
+    from botocore import xform_name
+
+    body = b"body of the request"
+    crc = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
+    params = RequestOptions(crc32c=crc, checksum_algorithm="CRC32C", if_none_match="*").params(op)
+    rows = HEADERS[op]
+    assert sorted(params) == sorted(h.param for h in rows)  # every row's option is set
+    members = botocore.session.get_session().get_service_model("s3").operation_model(op).input_shape.members
+    for row in rows:
+        serialization = members[row.param].serialization
+        assert (serialization["location"], serialization["name"].lower()) == ("header", row.wire)
+    expected = {h.wire: params[h.param] for h in rows}
+    assert wire_headers(op, params) == expected and list(wire_headers(op, params)) == [h.wire for h in rows]
+
+    args: dict[str, Any] = {"Bucket": "bkt", "Key": "k"}
+    if op in ("PutObject", "UploadPart"):
+        args.update(Body=body, ContentLength=len(body))
+    if op == "UploadPart":
+        args.update(UploadId="up-1", PartNumber=1)
+    if op == "CompleteMultipartUpload":
+        args.update(UploadId="up-1", MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": '"e"'}]})
+    sent = {}
+    for kind in ("lean", "botocore"):
+        client = S3Store("bkt", S3Config(endpoint_url=recorder.endpoint_url, client=kind))._client()  # type: ignore[arg-type]
+        assert isinstance(client, LeanS3Client) is (kind == "lean")
+        getattr(client, xform_name(op))(**args, **params)
+        headers = recorder.seen[-1]["headers"]
+        sent[kind] = {h.wire: headers.get(h.wire) for h in rows}
+    assert sent["lean"] == sent["botocore"] == expected

@@ -17,6 +17,9 @@ arguments, the same response keys, failures raised as botocore's
 ``ClientError`` (with the same ``Error``/``ResponseMetadata`` shape) or as
 urllib3's exceptions. What it does not implement (server-side copies,
 listings of pending uploads) goes to a botocore client built on first use.
+A keyword argument it has no header for raises ConfigError rather than go
+unsent; the headers come from :mod:`.headers`, the table the store builds
+botocore's keywords from.
 
 Which client a store uses is :attr:`S3Config.client`; see :func:`lean_settings`.
 """
@@ -37,6 +40,7 @@ from xml.sax.saxutils import escape
 
 from ..warmup import warm_pool
 from .config import S3Config
+from .headers import wire_headers
 from .s3xml import _XMLNS, parse_complete, parse_delete, parse_error, parse_initiate, parse_list_v2
 from .sigv4 import (
     EMPTY_SHA256,
@@ -312,16 +316,6 @@ class LeanS3Client:
         }
 
     @staticmethod
-    def _checksum_headers(kwargs: dict[str, Any]) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        if kwargs.get("ChecksumCRC32C"):
-            headers["x-amz-checksum-crc32c"] = kwargs["ChecksumCRC32C"]
-            headers["x-amz-sdk-checksum-algorithm"] = "CRC32C"
-        if kwargs.get("IfNoneMatch"):
-            headers["if-none-match"] = kwargs["IfNoneMatch"]
-        return headers
-
-    @staticmethod
     def _pieces(body: Any) -> list[Any]:
         pieces = getattr(body, "pieces", None)
         if pieces is not None:
@@ -355,14 +349,21 @@ class LeanS3Client:
             "ResponseMetadata": self._metadata(response),
         }
 
-    def put_object(self, *, Bucket: str, Key: str, Body: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
-        response = self._send(
-            "PutObject", "PUT", Bucket, Key, headers=self._checksum_headers(kwargs), body=self._pieces(Body)
-        )
+    def put_object(
+        self,
+        *,
+        Bucket: str,  # noqa: N803
+        Key: str,  # noqa: N803
+        Body: Any,  # noqa: N803
+        ContentLength: int | None = None,  # noqa: N803 - the body's length, which content-length is counted from
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        headers = wire_headers("PutObject", kwargs)
+        response = self._send("PutObject", "PUT", Bucket, Key, headers=headers, body=self._pieces(Body))
         return {"ETag": response.headers.get("etag"), "ResponseMetadata": self._metadata(response)}
 
     def create_multipart_upload(self, *, Bucket: str, Key: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
-        headers = {"x-amz-checksum-algorithm": kwargs["ChecksumAlgorithm"]} if kwargs.get("ChecksumAlgorithm") else {}
+        headers = wire_headers("CreateMultipartUpload", kwargs)
         response = self._send("CreateMultipartUpload", "POST", Bucket, Key, query={"uploads": ""}, headers=headers)
         upload_id = parse_initiate(response.data)
         return {"UploadId": upload_id, "ResponseMetadata": self._metadata(response)}
@@ -375,15 +376,17 @@ class LeanS3Client:
         UploadId: str,  # noqa: N803
         PartNumber: int,  # noqa: N803
         Body: Any,  # noqa: N803
+        ContentLength: int | None = None,  # noqa: N803 - the body's length, which content-length is counted from
         **kwargs: Any,
     ) -> dict[str, Any]:
+        headers = wire_headers("UploadPart", kwargs)
         response = self._send(
             "UploadPart",
             "PUT",
             Bucket,
             Key,
             query={"partNumber": str(PartNumber), "uploadId": UploadId},
-            headers=self._checksum_headers(kwargs),
+            headers=headers,
             body=self._pieces(Body),
         )
         return {"ETag": response.headers.get("etag"), "ResponseMetadata": self._metadata(response)}
@@ -404,7 +407,7 @@ class LeanS3Client:
             number, etag = int(part["PartNumber"]), escape(part["ETag"])
             parts.append(f"<Part><PartNumber>{number}</PartNumber><ETag>{etag}</ETag>{extra}</Part>")
         body = f"<CompleteMultipartUpload {_XMLNS}>{''.join(parts)}</CompleteMultipartUpload>".encode()
-        headers = self._checksum_headers({"IfNoneMatch": kwargs.get("IfNoneMatch")})
+        headers = wire_headers("CompleteMultipartUpload", kwargs)
         response = self._send(
             "CompleteMultipartUpload", "POST", Bucket, Key, query={"uploadId": UploadId}, headers=headers, body=[body]
         )

@@ -19,6 +19,7 @@ from .botoclient import make_botocore_client
 from .config import S3Config, _require
 from .copy import copy_object
 from .errors import _s3_url, _translate
+from .headers import RequestOptions
 from .lean import LeanS3Client, lean_settings
 from .responses import _etag, _server_time, _timestamp
 
@@ -230,10 +231,12 @@ class S3Store:
     def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError:
         return _translate(exc, self.bucket, key, action)
 
-    def _checksum_args(self, crc32c: int | None) -> dict[str, str]:
+    def _body_options(self, crc32c: int | None, create_only: bool = False) -> RequestOptions:
+        """A body's CRC32C (where transport checksums are on) and the create-only precondition."""
+        precondition = "*" if create_only else None
         if crc32c is None or not self.config.transport_checksums:
-            return {}
-        return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": _crc_b64(crc32c)}
+            return RequestOptions(if_none_match=precondition)
+        return RequestOptions(crc32c=_crc_b64(crc32c), checksum_algorithm="CRC32C", if_none_match=precondition)
 
     # -- protocol ------------------------------------------------------------
 
@@ -249,9 +252,7 @@ class S3Store:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": body, "ContentLength": size}
         if self.config.transport_checksums and crc32c is None:
             crc32c = payload_crc32c(views)
-        kwargs.update(self._checksum_args(crc32c))
-        if create_only:
-            kwargs["IfNoneMatch"] = "*"
+        kwargs.update(self._body_options(crc32c, create_only).params("PutObject"))
         try:
             response = self._client().put_object(**kwargs)
         except Exception as exc:
@@ -349,10 +350,9 @@ class S3Store:
         return copy_object(self, source_key, key, source_bucket)
 
     def create_multipart(self, key: str) -> str:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
-        if self.config.transport_checksums:
-            # Declared up front: S3 rejects part checksums of an upload created without one.
-            kwargs["ChecksumAlgorithm"] = "CRC32C"
+        # Declared up front: S3 rejects part checksums of an upload created without one.
+        declared = RequestOptions(checksum_algorithm="CRC32C" if self.config.transport_checksums else None)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, **declared.params("CreateMultipartUpload")}
         try:
             return self._client().create_multipart_upload(**kwargs)["UploadId"]
         except Exception as exc:
@@ -366,7 +366,7 @@ class S3Store:
         if self.config.transport_checksums and crc32c is None:
             # The upload was declared CRC32C, so every part must carry one.
             crc32c = payload_crc32c(views)
-        checksum = self._checksum_args(crc32c)
+        checksum = self._body_options(crc32c).params("UploadPart")
         try:
             response = self._client().upload_part(
                 Bucket=self.bucket,
@@ -399,9 +399,8 @@ class S3Store:
             "Key": key,
             "UploadId": upload_id,
             "MultipartUpload": {"Parts": listed},
+            **RequestOptions(if_none_match="*" if create_only else None).params("CompleteMultipartUpload"),
         }
-        if create_only:
-            kwargs["IfNoneMatch"] = "*"
         try:
             response = self._client().complete_multipart_upload(**kwargs)
         except Exception as exc:
