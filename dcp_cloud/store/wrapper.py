@@ -44,13 +44,13 @@ class StoreWrapper:
 
     @property
     def read_workers(self) -> int | None:
-        """None: not ``inner``'s, as before (loads ask the store they open, which a wrapper is only in tests;
-        :class:`~dcp_cloud.testing.faults.FaultyStore` passes ``inner``'s on)."""
+        """None, not ``inner``'s: loads ask the store they open, which is a wrapper only in tests
+        (:class:`~dcp_cloud.testing.faults.FaultyStore` passes ``inner``'s on)."""
         return None
 
     def warm(self, connections: int) -> None:
-        """Nothing, as before (a wrapper is warmed only where a test opens it as a backend's store;
-        :class:`~dcp_cloud.testing.faults.FaultyStore` warms ``inner``)."""
+        """Nothing: a wrapper is warmed only where a test opens it as a backend's store
+        (:class:`~dcp_cloud.testing.faults.FaultyStore` warms ``inner``)."""
         return None
 
     def url(self, key: str) -> str:
