@@ -149,24 +149,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     stages: dict[str, float] = {}
     if kind == "export":
-        from dcp_cloud import export_safetensors
+        from dcp_cloud import S3Config, export_safetensors
 
         report = export_safetensors(
             spec["source"],
             spec["uri"],
             max_file_size=int(spec["file_mb"] * C.MiB),
-            source_options={"endpoint_url": spec["read_url"]},
-            destination_options={"endpoint_url": spec["write_url"]},
+            source_config=S3Config(endpoint_url=spec["read_url"]),
+            destination_config=S3Config(endpoint_url=spec["write_url"]),
         )
         moved = report.data_bytes
     elif kind == "cp":
-        from dcp_cloud import copy_checkpoint
+        from dcp_cloud import S3Config, copy_checkpoint
 
         report = copy_checkpoint(
             spec["source"],
             spec["uri"],
-            source_options={"endpoint_url": spec["read_url"]},
-            destination_options={"endpoint_url": spec["write_url"]},
+            source_config=S3Config(endpoint_url=spec["read_url"]),
+            destination_config=S3Config(endpoint_url=spec["write_url"]),
         )
         assert not report.server_side
         moved = report.bytes_copied
@@ -236,9 +236,9 @@ def _load(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     if contender == "dcp_cloud":
         import torch.distributed.checkpoint as dcp
 
-        from dcp_cloud import SafetensorsReader
+        from dcp_cloud import S3Config, SafetensorsReader
 
-        reader = SafetensorsReader(spec["uri"], endpoint_url=spec["read_url"])
+        reader = SafetensorsReader(spec["uri"], config=S3Config(endpoint_url=spec["read_url"]))
         dcp.load(state, storage_reader=reader, no_dist=layout == "plain")
         fetched = reader.stats.bytes_read
     elif contender == "runai":

@@ -13,6 +13,7 @@ import logging
 from .config import RetryConfig, TransferConfig
 from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
 from .dcp.device.staging import StagingConfig, free_staging_pool
+from .dcp.factory import reader_for, writer_for
 from .dcp.load.reader import CloudReader
 from .dcp.save.writer import CloudWriter
 from .dcp.typed import load, save, typed_errors
@@ -62,7 +63,10 @@ from .planner.load import ScaleLoadPlanner
 from .planner.save import BalancedSavePlanner, ReplicaMismatchError
 from .run import CheckpointManager, LocalTier, PendingSave, RetentionPolicy, StepNaming, TierStats
 from .safetensors import ExportReport, SafetensorsReader, export_safetensors
+from .store.azure.config import AzureConfig
 from .store.clients import close_clients
+from .store.gcs.config import GCSConfig
+from .store.s3.config import S3Config
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
@@ -71,6 +75,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "AzureConfig",
     "AzureReader",
     "AzureWriter",
     "BalancedSavePlanner",
@@ -90,6 +95,7 @@ __all__ = [
     "DeviceCopyError",
     "ExportReport",
     "GCReport",
+    "GCSConfig",
     "GCSReader",
     "GCSWriter",
     "InspectReport",
@@ -109,6 +115,7 @@ __all__ = [
     "ReplicaMismatchError",
     "RetentionPolicy",
     "RetryConfig",
+    "S3Config",
     "S3Reader",
     "S3Writer",
     "SafetensorsReader",
@@ -135,8 +142,10 @@ __all__ = [
     "inspect_checkpoint",
     "list_checkpoints",
     "load",
+    "reader_for",
     "remove_checkpoint",
     "save",
     "typed_errors",
     "verify",
+    "writer_for",
 ]

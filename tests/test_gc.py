@@ -28,6 +28,7 @@ from dcp_cloud import (
     CloudReader,
     CloudWriter,
     ConfigError,
+    S3Config,
     gc,
     list_checkpoints,
     verify,
@@ -401,7 +402,7 @@ def test_verify_reads_in_bounded_chunks(tmp_path: Path) -> None:
 
 def test_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
-        gc(f"file://{tmp_path}/run", endpoint_url="http://x")
+        gc(f"file://{tmp_path}/run", config=S3Config(endpoint_url="http://x"))
     with pytest.raises(ConfigError):
         gc(f"file://{tmp_path}/run", older_than=-1)
     with pytest.raises(dcp_cloud.InvalidURIError):

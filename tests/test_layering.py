@@ -4,8 +4,9 @@ Every import of every module in ``dcp_cloud/`` is parsed (absolute and relative,
 functions, under ``TYPE_CHECKING``) and resolved to the ``dcp_cloud`` module it names. The layers, bottom
 up: ``errors`` and ``config``; ``store/`` (knows nothing of checkpoints) and ``uri`` (which asks
 ``store/azure`` whether a container name is valid); ``transfer/`` (moves bytes); ``format/`` (the on-store
-contract); ``planner/`` (pure); ``dcp/`` (the DCP adapter: ``device/`` below ``save/`` and ``load/``, which
-do not import each other); then ``run/``, ``maintenance/``, ``safetensors/``, ``cli/``, ``testing/``.
+contract); ``planner/`` (pure); ``locations/`` (a URI and its cloud's options become a store); ``dcp/``
+(the DCP adapter: ``device/`` below ``save/`` and ``load/``, which do not import each other); then
+``run/``, ``maintenance/``, ``safetensors/``, ``cli/``, ``testing/``.
 A cycle is looked for among the imports that run when a module is imported (not those in functions or
 under ``TYPE_CHECKING``).
 """
@@ -27,8 +28,8 @@ ROOT = Path(dcp_cloud.__file__).parent
 #: package -> packages it must not import (any import: module level or in a function).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "dcp_cloud.format": (
-        "dcp_cloud.dcp", "dcp_cloud.planner", "dcp_cloud.run", "dcp_cloud.maintenance", "dcp_cloud.safetensors",
-        "dcp_cloud.cli", "dcp_cloud.testing",
+        "dcp_cloud.dcp", "dcp_cloud.planner", "dcp_cloud.locations", "dcp_cloud.run", "dcp_cloud.maintenance",
+        "dcp_cloud.safetensors", "dcp_cloud.cli", "dcp_cloud.testing",
     ),
     "dcp_cloud.planner": ("dcp_cloud.store", "dcp_cloud.transfer", "dcp_cloud.dcp"),
     # store/ imports errors and config (RetryConfig, cpu_share) and nothing else of dcp_cloud.
@@ -36,7 +37,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "dcp_cloud.dcp", "dcp_cloud.format", "dcp_cloud.transfer", "dcp_cloud.planner", "dcp_cloud.run",
         "dcp_cloud.maintenance", "dcp_cloud.safetensors", "dcp_cloud.cli", "dcp_cloud.testing",
     ),
-    "dcp_cloud.transfer": ("dcp_cloud.dcp",),
+    "dcp_cloud.transfer": ("dcp_cloud.dcp", "dcp_cloud.locations"),
+    # The one place a URI becomes a store sits below everything that takes a URI.
+    "dcp_cloud.locations": (
+        "dcp_cloud.dcp", "dcp_cloud.format", "dcp_cloud.planner", "dcp_cloud.run", "dcp_cloud.maintenance",
+        "dcp_cloud.safetensors", "dcp_cloud.cli", "dcp_cloud.testing",
+    ),
     "dcp_cloud.dcp": ("dcp_cloud.maintenance", "dcp_cloud.testing", "dcp_cloud.run", "dcp_cloud.cli"),
     # The two sides of the adapter do not reach into each other; device staging serves both.
     "dcp_cloud.dcp.save": ("dcp_cloud.dcp.load",),
@@ -192,7 +198,7 @@ def test_the_imports_are_seen() -> None:
     found = {(imp.source, imp.target, imp.eager) for imp in IMPORTS}
     assert ("dcp_cloud.dcp.load.reader", "dcp_cloud.format.layout", True) in found  # from ...format.layout
     assert ("dcp_cloud.dcp.save.writer", "dcp_cloud.format.framing", True) in found  # from ...format import framing
-    assert ("dcp_cloud.maintenance.common", "dcp_cloud.dcp.api", False) in found  # in a function
+    assert ("dcp_cloud.locations.locate", "dcp_cloud.store.s3.config", False) in found  # in a function
     assert ("dcp_cloud", "dcp_cloud.dcp.api", True) in found  # from .dcp.api, in a package's __init__
     assert len(MODULES) > 100 and len(IMPORTS) > 300
 

@@ -23,6 +23,7 @@ from dcp_cloud import (
     LocalReader,
     LocalWriter,
     NotACheckpointError,
+    S3Config,
     S3Reader,
     S3Writer,
     StoreError,
@@ -174,8 +175,7 @@ def test_cp_streams_each_object_under_the_single_put_limit_in_one_put(
         dcp_cloud.save(state, storage_writer=dcp_cloud.GCSWriter(src))
     with FaultProxy(moto_server.endpoint_url) as proxy:
         dst = f"s3://{s3_bucket}/one-put/step-1"
-        options = {"endpoint_url": proxy.url}
-        report = copy_checkpoint(src, dst, transfer=transfer, destination_options=options)
+        report = copy_checkpoint(src, dst, transfer=transfer, destination_config=S3Config(endpoint_url=proxy.url))
         stats = proxy.snapshot()
     assert not report.server_side and report.objects == 1
     shard = [path for method, path in stats.by_path if method == "PUT" and path.endswith(".distcp")]
@@ -234,7 +234,7 @@ def test_cp_between_stores_copies_objects_side_by_side_and_reports_from_the_call
     plan = FaultPlan(stall=1.0, stall_seconds=1.5, phase="request", when=hold_first)
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
         report = copy_checkpoint(
-            src, f"s3://{s3_bucket}/side", transfer=transfer, destination_options={"endpoint_url": proxy.url},
+            src, f"s3://{s3_bucket}/side", transfer=transfer, destination_config=S3Config(endpoint_url=proxy.url),
             progress=bar,
         )  # fmt: skip
         assert proxy.snapshot().faults["stall"] == 1

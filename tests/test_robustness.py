@@ -104,8 +104,8 @@ def test_two_jobs_save_into_one_bucket_at_once(s3_bucket: str, s3_env: Any) -> N
 def _save_and_die(rank: int, world_size: int, uri: str) -> None:
     """Rank 1 SIGKILLs itself once the first part of its object is uploaded (a tripwire on the part's request,
     after the store answered it): the part is on the server, the multipart upload open, nothing committed."""
-    from dcp_cloud.dcp.backend import S3Backend
     from dcp_cloud.dcp.save.writer import CloudWriter
+    from dcp_cloud.locations import S3Backend
     from dcp_cloud.store.s3 import S3Config
     from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
@@ -113,7 +113,7 @@ def _save_and_die(rank: int, world_size: int, uri: str) -> None:
     state = {f"rank{rank}.a": torch.randn(1 << 20), f"rank{rank}.b": torch.randn(1 << 20)}
     cfg = TransferConfig(part_size=MOTO_MIN_PART_SIZE, multipart_threshold=MOTO_MIN_PART_SIZE)
     wire = Tripwire("put_part", "*/__1_*", when="after", action="kill")  # only rank 1 writes __1_ objects
-    backend = TripwireBackend(S3Backend(S3Config(), MOTO_PART_LIMITS), (wire,))
+    backend = TripwireBackend(S3Backend(S3Config(part_limits=MOTO_PART_LIMITS)), (wire,))
     dcp.save(state, storage_writer=CloudWriter(uri, backend, transfer=cfg))
 
 

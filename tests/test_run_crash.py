@@ -72,7 +72,7 @@ SCENARIOS = [
 
 def _manager(root: str, wire: Tripwire | None, rank: int = 0, kill_rank: int = 0) -> Any:
     from dcp_cloud import CheckpointManager, RetentionPolicy, TransferConfig
-    from dcp_cloud.dcp.backend import LocalBackend
+    from dcp_cloud.locations import LocalBackend
     from dcp_cloud.testing.tripwire import TripwireBackend
 
     wires = (wire,) if wire is not None and rank == kill_rank else ()

@@ -26,10 +26,11 @@ from dcp_cloud import (
     MissingMetricError,
     NotARunError,
     RetentionPolicy,
+    S3Config,
     StepExistsError,
     StoreError,
 )
-from dcp_cloud.dcp.backend import LocalBackend
+from dcp_cloud.locations import LocalBackend
 from dcp_cloud.store.memory import MemoryStore
 from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
@@ -257,8 +258,8 @@ def test_bad_options_and_metadata_are_refused(run_root: Path) -> None:
         CheckpointManager(str(run_root), retention={"keep_last": 2})  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         CheckpointManager(str(run_root), lease_ttl=0)
-    with pytest.raises(ConfigError, match="unknown option"):
-        CheckpointManager(str(run_root), endpoint_url="http://x")
+    with pytest.raises(ConfigError, match="take no config"):
+        CheckpointManager(str(run_root), config=S3Config(endpoint_url="http://x"))
     with pytest.raises(ConfigError):
         CheckpointManager(str(run_root), compression="lz5")
     mgr = CheckpointManager(str(run_root))

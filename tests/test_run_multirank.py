@@ -82,7 +82,7 @@ def test_one_listing_per_job_and_a_resume_on_another_world_size(tmp_path: Any) -
 
 def _listing_fails(root: str) -> tuple[str, str, float]:
     from dcp_cloud import CheckpointManager
-    from dcp_cloud.dcp.backend import LocalBackend
+    from dcp_cloud.locations import LocalBackend
     from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
     backend = TripwireBackend(LocalBackend(), (Tripwire("list", "*", action="fail"),))

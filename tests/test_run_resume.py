@@ -57,7 +57,7 @@ class AppState:
 
 def _manager(root: str, wire: Any = None) -> Any:
     from dcp_cloud import CheckpointManager, RetentionPolicy
-    from dcp_cloud.dcp.backend import LocalBackend
+    from dcp_cloud.locations import LocalBackend
     from dcp_cloud.testing.tripwire import TripwireBackend
 
     backend = TripwireBackend(LocalBackend(), (wire,) if wire is not None else ())

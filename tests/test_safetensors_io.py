@@ -22,6 +22,7 @@ from dcp_cloud import (
     CorruptCheckpointError,
     LocalWriter,
     RetryConfig,
+    S3Config,
     S3Writer,
     SafetensorsReader,
     TransientStoreError,
@@ -230,7 +231,7 @@ def test_an_interrupted_export_never_looks_complete(moto_server: Any, s3_bucket:
                 out,
                 max_file_size=4000,
                 retry=RetryConfig(max_attempts=2, initial_backoff=0.0, max_backoff=0.0),
-                destination_options={"endpoint_url": proxy.url},
+                destination_config=S3Config(endpoint_url=proxy.url),
             )
     store = S3Store(s3_bucket)
     try:
@@ -311,8 +312,8 @@ def test_a_failure_mid_file_aborts_every_upload_under_way(
                 max_file_size=24 * mib,
                 transfer=transfer,
                 retry=retry,
-                source_options={"endpoint_url": src.url},
-                destination_options={"endpoint_url": dst.url},
+                source_config=S3Config(endpoint_url=src.url),
+                destination_config=S3Config(endpoint_url=dst.url),
             )
         assert not [t for t in threading.enumerate() if t.name.startswith("dcp_cloud-export")]
     assert any(s.startswith("POST") and "uploads" in s for s in seen), seen  # an upload was under way
@@ -340,7 +341,7 @@ def _export_on_ranks(rank: int, world: int, ck: str, out: str, endpoints: list[s
             max_file_size=16 * 1024 * 1024,
             transfer=TransferConfig(part_size=5 * 1024 * 1024, max_inflight_parts=8),
             retry=RetryConfig(max_attempts=2, initial_backoff=0.0, max_backoff=0.0),
-            destination_options={"endpoint_url": endpoints[rank]},
+            destination_config=S3Config(endpoint_url=endpoints[rank]),
         )
     except DcpCloudError as exc:
         return f"{type(exc).__name__}: {exc}"

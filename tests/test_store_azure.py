@@ -345,7 +345,7 @@ def test_secrets_stay_out_of_reprs_pickles_and_messages(azure_store: AzureStore)
     assert "secret" not in repr(explicit)
     with pytest.raises(ConfigError, match="not pickled"):
         pickle.dumps(explicit)
-    from dcp_cloud.dcp.backend import AzureBackend
+    from dcp_cloud.locations import AzureBackend
 
     with pytest.raises(ConfigError, match="cannot be sent to another process"):  # what a writer/reader carries
         pickle.dumps(AzureBackend(AzureConfig(), credential="sv=1&sig=secret"))
@@ -355,7 +355,7 @@ def test_secrets_stay_out_of_reprs_pickles_and_messages(azure_store: AzureStore)
 
 
 def test_azure_uris_and_blob_urls() -> None:
-    from dcp_cloud.dcp.api import _azure_backend
+    from dcp_cloud.locations import locate
 
     assert parse_uri("az://checkpoints/run/step-1", ("az",)).bucket == "checkpoints"
     assert split_azure_url("https://acct.blob.core.windows.net/c1c/run/step-1") == (
@@ -365,15 +365,14 @@ def test_azure_uris_and_blob_urls() -> None:
     assert split_azure_url("s3://bucket/x") is None
     with pytest.raises(InvalidURIError, match="SAS token"):
         split_azure_url("https://acct.blob.core.windows.net/c1c/x?sv=1&sig=abc")
-    uri, backend = _azure_backend("https://acct.blob.core.windows.net/ckpts/run/step-1", None, None, None, None)
-    assert uri == "az://ckpts/run/step-1" and backend.config.endpoint == "https://acct.blob.core.windows.net"
+    where = locate("https://acct.blob.core.windows.net/ckpts/run/step-1")
+    assert str(where.uri) == "az://ckpts/run/step-1"
+    assert where.backend.config.endpoint == "https://acct.blob.core.windows.net"  # type: ignore[attr-defined]
     assert parse_uri("https://acct.blob.core.windows.net/ckpts/run/step-1", ("az",)).prefix == "run/step-1"
     assert AzureReader.validate_checkpoint_id("https://acct.blob.core.windows.net/c1c/x")
     assert not AzureReader.validate_checkpoint_id("s3://bucket/x")
     with pytest.raises(ConfigError, match="give one of them"):
-        _azure_backend(
-            "https://acct.blob.core.windows.net/c1c/x", None, "https://other.blob.core.windows.net", None, None
-        )
+        locate("https://acct.blob.core.windows.net/c1c/x", AzureConfig(endpoint="https://other.blob.core.windows.net"))
     with pytest.raises(ConfigError):
         AzureConfig(endpoint="https://acct.blob.core.windows.net/?sv=1&sig=x")
     with pytest.raises(ConfigError):

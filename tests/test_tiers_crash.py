@@ -68,7 +68,7 @@ SCENARIOS = [
 
 def _manager(base: str, rank: int, world: int, wire: Tripwire | None) -> Any:
     from dcp_cloud import CheckpointManager, LocalTier, RetentionPolicy, TransferConfig
-    from dcp_cloud.dcp.backend import LocalBackend
+    from dcp_cloud.locations import LocalBackend
     from dcp_cloud.testing.tripwire import TripwireBackend
 
     transfer = TransferConfig(part_size=64 * 1024, multipart_threshold=64 * 1024, max_objects_per_rank=1)

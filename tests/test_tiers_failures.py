@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_cloud import RetryConfig
+from dcp_cloud import RetryConfig, S3Config
 from dcp_cloud.testing.multirank import RankFailedError, run_ranks
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
 
@@ -37,12 +37,14 @@ def _state(rank: int, step: int) -> dict[str, Any]:
     return {f"w{rank}": torch.full((256, 256), float(step)), "step": step}
 
 
-def _manager(base: str, rank: int, root: str, retry: RetryConfig = RETRY, drain_every: int = 1, **store: Any) -> Any:
+def _manager(
+    base: str, rank: int, root: str, retry: RetryConfig = RETRY, drain_every: int = 1, config: Any = None
+) -> Any:
     from dcp_cloud import CheckpointManager, LocalTier
 
     # the nodes named as a launcher numbers them (torchrun's GROUP_RANK), not told apart by their directories
     tier = LocalTier(f"{base}/node{rank // 2}", node=rank // 2, drain_every=drain_every)
-    return CheckpointManager(root, retry=retry, local=tier, **store)
+    return CheckpointManager(root, retry=retry, local=tier, config=config)
 
 
 def _blocked_tier(rank: int, world: int, base: str) -> tuple[str, float]:
@@ -87,7 +89,9 @@ def _peer_dies(rank: int, world: int, base: str) -> None:
 
 def _dead_store(rank: int, world: int, base: str) -> dict[str, Any]:
     # nothing listens on port 9: every request of the drain fails until the retry deadline
-    mgr = _manager(base, rank, "s3://bucket/run", endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    mgr = _manager(
+        base, rank, "s3://bucket/run", config=S3Config(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    )
     stalls = []
     for step in (1, 2, 3):
         started = time.monotonic()
@@ -112,7 +116,7 @@ SILENT_STEPS = tuple(range(1, 9))
 
 def _silent_store(rank: int, world: int, base: str, root: str, silent: str, answering: str) -> dict[str, Any]:
     # a job whose store accepts every request and never answers: its steps wait on the local tier
-    mgr = _manager(base, rank, root, drain_every=2, endpoint_url=silent, region="us-east-1")
+    mgr = _manager(base, rank, root, drain_every=2, config=S3Config(endpoint_url=silent, region="us-east-1"))
     stalls = []
     for step in SILENT_STEPS:
         started = time.monotonic()
@@ -130,7 +134,9 @@ def _silent_store(rank: int, world: int, base: str, root: str, silent: str, answ
     }
     # a later job on the same nodes, the store answering again: it resumes and drains what the first job left
     # (with the default request timeout: a busy server's slow answer is not retried, so each request counts once)
-    later = _manager(base, rank, root, RetryConfig(), drain_every=2, endpoint_url=answering, region="us-east-1")
+    later = _manager(
+        base, rank, root, RetryConfig(), drain_every=2, config=S3Config(endpoint_url=answering, region="us-east-1")
+    )
     target = {f"w{rank}": torch.zeros(256, 256), "step": -1}
     out["loaded"] = later.load(target)
     newest = _state(rank, SILENT_STEPS[-1])
@@ -152,7 +158,9 @@ def _node_lost(rank: int, world: int, base: str, root: str, saving: str, restart
 
     def manager(endpoint: str) -> Any:  # two nodes of one rank each, one replica of each node's files
         tier = LocalTier(f"{base}/node{rank}", node=rank, replicas=1)
-        return CheckpointManager(root, retry=RetryConfig(), local=tier, endpoint_url=endpoint, region="us-east-1")
+        return CheckpointManager(
+            root, retry=RetryConfig(), local=tier, config=S3Config(endpoint_url=endpoint, region="us-east-1")
+        )
 
     with manager(saving) as mgr:
         for step in (1, 2):

@@ -18,14 +18,14 @@ class UsageError(Exception):
     """A command line that parses but cannot be run (exit status 2)."""
 
 
-def store_kwargs(args: argparse.Namespace, uri: str | None = None) -> dict[str, Any]:
-    """Store options for the URI's scheme; options of another store are a usage error."""
-    from ..uri import split_azure_url
+def store_config(args: argparse.Namespace, uri: str | None = None) -> Any:
+    """The options of the URI's cloud from ``--endpoint``, ``--region``, ``--project``, ``--account`` (an
+    ``S3Config``, ``GCSConfig`` or ``AzureConfig``; None when none is given); options of another cloud are a
+    usage error."""
+    from ..locations import config_with, scheme_of
 
     uri = args.uri if uri is None else uri
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    if scheme == "https" and split_azure_url(uri) is not None:
-        scheme = "az"
+    scheme = scheme_of(uri)
     given = {name: getattr(args, name, None) for name in ("endpoint", "region", "project", "account")}
     given = {name: value for name, value in given.items() if value}
     accepted = {
@@ -37,7 +37,7 @@ def store_kwargs(args: argparse.Namespace, uri: str | None = None) -> dict[str, 
     wrong = [f"--{name}" for name in given if name not in mapping]
     if wrong:
         raise UsageError(f"{', '.join(wrong)} cannot be used with {scheme or 'this'}:// URIs")
-    return {mapping[name]: value for name, value in given.items()}
+    return config_with(scheme, None, **{mapping[name]: value for name, value in given.items()})
 
 
 def size(n: int) -> str:
@@ -80,7 +80,7 @@ def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..maintenance import list_checkpoints
 
-    found = list_checkpoints(args.uri, dependencies=args.deps, **store_kwargs(args))
+    found = list_checkpoints(args.uri, dependencies=args.deps, config=store_config(args))
     if args.json:
         _json({"root": args.uri, "checkpoints": found})
         return 0
@@ -102,7 +102,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..maintenance import verify
 
-    report = verify(args.uri, progress=_bars(args), **store_kwargs(args))
+    report = verify(args.uri, progress=_bars(args), config=store_config(args))
     if args.json:
         _json(report)
         return 0
@@ -118,7 +118,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..maintenance import gc
 
-    report = gc(args.uri, older_than=args.older_than, dry_run=args.dry_run, progress=_bars(args), **store_kwargs(args))
+    report = gc(
+        args.uri, older_than=args.older_than, dry_run=args.dry_run, progress=_bars(args), config=store_config(args)
+    )
     if args.json:
         _json(report)
         return 0
@@ -141,7 +143,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..maintenance import inspect_checkpoint
 
-    report = inspect_checkpoint(args.uri, **store_kwargs(args))
+    report = inspect_checkpoint(args.uri, config=store_config(args))
     if args.json:
         _json(report)
         return 0
@@ -253,7 +255,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         check_dependents=not args.no_dependents_check,
         scan_root=args.scan_root,
         progress=_bars(args),
-        **store_kwargs(args),
+        config=store_config(args),
     )
     if args.json:
         _json(report)
@@ -300,7 +302,7 @@ def _policy(args: argparse.Namespace) -> Any:
 def cmd_steps(args: argparse.Namespace) -> int:
     from ..run import CheckpointManager
 
-    with CheckpointManager(args.uri, retention=_policy(args), **store_kwargs(args)) as mgr:
+    with CheckpointManager(args.uri, retention=_policy(args), config=store_config(args)) as mgr:
         report = mgr.describe()
     if args.json:
         _json(report)

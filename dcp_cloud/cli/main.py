@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[output],
         help="write a committed checkpoint as Hugging Face safetensors files",
         description="Write the tensors of the committed checkpoint at SRC as Hugging Face safetensors files under "
-        "DST (model-00001-of-0000N.safetensors and model.safetensors.index.json; s3://, gs:// or file:// at either "
-        "end, endpoints and credentials from the environment). The bytes stream from the stored chunks into "
+        "DST (model-00001-of-0000N.safetensors and model.safetensors.index.json; s3://, gs://, az:// or file:// at "
+        "either end, endpoints and credentials from the environment). The bytes stream from the stored chunks into "
         "multipart uploads in bounded memory; the index is written last and create-only, so DST is never seen as "
         "a complete model before every file is in place. A model already at DST is refused unless --overwrite.",
     )

@@ -2,109 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import RetryConfig, TransferConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidURIError
+from ..locations import Backend, LocalBackend, S3Backend, azure_endpoint, backend_of, config_with, scheme_of
 from ..store.protocol import PartLimits
-from .backend import AzureBackend, Backend, GCSBackend, LocalBackend, S3Backend
 from .device.staging import StagingConfig
 from .load.reader import CloudReader
 from .save.writer import CloudWriter
 
-
-def _s3_backend(endpoint_url: str | None, region: str | None, config: Any, limits: PartLimits | None) -> S3Backend:
-    from ..store.s3 import S3Config
-
-    if config is not None and (endpoint_url is not None or region is not None):
-        raise ConfigError("pass endpoint_url/region either as keywords or inside config=S3Config(...), not both")
-    return S3Backend(config or S3Config(endpoint_url=endpoint_url, region=region), limits)
+if TYPE_CHECKING:
+    from ..store.azure.config import AzureConfig
+    from ..store.gcs.config import GCSConfig
+    from ..store.s3.config import S3Config
 
 
-def _gcs_backend(project: str | None, endpoint: str | None, credentials: Any, config: Any) -> GCSBackend:
-    from ..store.gcs import GCSConfig
+def _s3_backend(
+    endpoint_url: str | None, region: str | None, config: S3Config | None, limits: PartLimits | None
+) -> S3Backend:
+    config = config_with("s3", config, endpoint_url=endpoint_url, region=region)
+    if limits is not None:
+        from ..store.s3.config import S3Config
 
-    if config is not None and (project is not None or endpoint is not None):
-        raise ConfigError("pass project/endpoint either as keywords or inside config=GCSConfig(...), not both")
-    return GCSBackend(config or GCSConfig(project=project, endpoint=endpoint), credentials)
+        config = config or S3Config()
+        if config.part_limits is not None and config.part_limits != limits:
+            raise ConfigError("pass part_limits either as a keyword or inside config=S3Config(...), not both")
+        config = dataclasses.replace(config, part_limits=limits)
+    return backend_of("s3", config)  # type: ignore[return-value]
 
 
-def _azure_backend(
+def _azure_location(
     checkpoint_id: str | os.PathLike[str] | None,
     account: str | None,
     endpoint: str | None,
     credential: Any,
-    config: Any,
-) -> tuple[Any, AzureBackend]:
-    """(checkpoint id, backend): an ``https://<account>.blob.core.windows.net/...`` id becomes ``az://...``
-    and its account's endpoint goes into the config."""
-    import dataclasses
-
-    from ..store.azure import AzureConfig
-    from ..uri import split_azure_url
-
-    if config is not None and (account is not None or endpoint is not None):
-        raise ConfigError("pass account/endpoint either as keywords or inside config=AzureConfig(...), not both")
-    split = split_azure_url(checkpoint_id) if checkpoint_id is not None else None
-    if split is not None:
-        checkpoint_id, url_endpoint = split
-        given = config.endpoint if config is not None else endpoint
-        if given is not None and given.rstrip("/") != url_endpoint:
-            raise ConfigError(
-                f"the checkpoint URL names the endpoint {url_endpoint!r} but the endpoint {given!r} was given; "
-                "give one of them"
-            )
-        if config is not None:
-            config = dataclasses.replace(config, endpoint=url_endpoint)
-        else:
-            endpoint = url_endpoint
-    return checkpoint_id, AzureBackend(config or AzureConfig(account=account, endpoint=endpoint), credential)
+    config: AzureConfig | None,
+) -> tuple[Any, Backend]:
+    """(checkpoint id, backend): an Azure blob URL id becomes ``az://...`` and its account's endpoint goes
+    into the config."""
+    config = config_with("az", config, account=account, endpoint=endpoint)  # type: ignore[assignment]
+    if checkpoint_id is not None:
+        checkpoint_id, config = azure_endpoint(checkpoint_id, config)
+    return checkpoint_id, backend_of("az", config, credentials=credential)
 
 
 def _is_azure_id(checkpoint_id: str | os.PathLike[str]) -> bool:
-    from ..errors import InvalidURIError
-    from ..uri import split_azure_url
-
-    text = str(checkpoint_id)
     try:
-        return text.startswith("az://") or split_azure_url(text) is not None
+        return scheme_of(checkpoint_id) == "az"
     except InvalidURIError:
         return True  # ours to refuse, with the reason
-
-
-#: The store options each URI scheme takes, as keywords (the maintenance functions', the safetensors
-#: functions'): ``endpoint_url``, ``region`` for S3; ``project``, ``endpoint``, ``credentials`` for GCS;
-#: ``account``, ``endpoint``, ``credential`` for Azure.
-STORE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "s3": ("endpoint_url", "region", "config", "part_limits"),
-    "gs": ("project", "endpoint", "credentials", "config"),
-    "az": ("account", "endpoint", "credential", "config"),
-    "file": (),
-}
-
-
-def backend_for(scheme: str, options: Mapping[str, Any]) -> Backend:
-    """The backend of a ``scheme://`` URI with the store ``options`` (see :data:`STORE_OPTIONS`);
-    ConfigError for an option the scheme does not take."""
-    allowed = STORE_OPTIONS[scheme]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown option(s) {unknown} for {scheme}:// URIs; accepted: {list(allowed) or 'none'}")
-    if scheme == "s3":
-        return _s3_backend(
-            options.get("endpoint_url"), options.get("region"), options.get("config"), options.get("part_limits")
-        )
-    if scheme == "gs":
-        return _gcs_backend(
-            options.get("project"), options.get("endpoint"), options.get("credentials"), options.get("config")
-        )
-    if scheme == "az":
-        return _azure_backend(
-            None, options.get("account"), options.get("endpoint"), options.get("credential"), options.get("config")
-        )[1]
-    return LocalBackend()
 
 
 class S3Writer(CloudWriter):
@@ -145,7 +94,7 @@ class S3Writer(CloudWriter):
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        config: Any = None,
+        config: S3Config | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         overwrite: bool = False,
@@ -203,7 +152,7 @@ class S3Reader(CloudReader):
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        config: Any = None,
+        config: S3Config | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         process_group: Any = None,
@@ -247,7 +196,7 @@ class GCSWriter(CloudWriter):
         project: str | None = None,
         endpoint: str | None = None,
         credentials: Any = None,
-        config: Any = None,
+        config: GCSConfig | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         overwrite: bool = False,
@@ -261,7 +210,7 @@ class GCSWriter(CloudWriter):
     ) -> None:
         super().__init__(
             checkpoint_id,
-            _gcs_backend(project, endpoint, credentials, config),
+            backend_of("gs", config_with("gs", config, project=project, endpoint=endpoint), credentials=credentials),
             transfer=transfer,
             retry=retry,
             overwrite=overwrite,
@@ -289,7 +238,7 @@ class GCSReader(CloudReader):
         project: str | None = None,
         endpoint: str | None = None,
         credentials: Any = None,
-        config: Any = None,
+        config: GCSConfig | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         process_group: Any = None,
@@ -299,7 +248,7 @@ class GCSReader(CloudReader):
     ) -> None:
         super().__init__(
             checkpoint_id,
-            _gcs_backend(project, endpoint, credentials, config),
+            backend_of("gs", config_with("gs", config, project=project, endpoint=endpoint), credentials=credentials),
             transfer=transfer,
             retry=retry,
             process_group=process_group,
@@ -334,7 +283,7 @@ class AzureWriter(CloudWriter):
         account: str | None = None,
         endpoint: str | None = None,
         credential: Any = None,
-        config: Any = None,
+        config: AzureConfig | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         overwrite: bool = False,
@@ -346,7 +295,7 @@ class AzureWriter(CloudWriter):
         hashes: bool = True,
         spread_prefixes: bool = False,
     ) -> None:
-        checkpoint_id, backend = _azure_backend(checkpoint_id, account, endpoint, credential, config)
+        checkpoint_id, backend = _azure_location(checkpoint_id, account, endpoint, credential, config)
         super().__init__(
             checkpoint_id,
             backend,
@@ -377,7 +326,7 @@ class AzureReader(CloudReader):
         account: str | None = None,
         endpoint: str | None = None,
         credential: Any = None,
-        config: Any = None,
+        config: AzureConfig | None = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         process_group: Any = None,
@@ -385,7 +334,7 @@ class AzureReader(CloudReader):
         share_reads: bool = True,
         staging: StagingConfig | None = None,
     ) -> None:
-        checkpoint_id, backend = _azure_backend(checkpoint_id, account, endpoint, credential, config)
+        checkpoint_id, backend = _azure_location(checkpoint_id, account, endpoint, credential, config)
         super().__init__(
             checkpoint_id,
             backend,

@@ -9,13 +9,13 @@ from typing import Any
 from ..config import RetryConfig, TransferConfig
 from ..errors import ObjectNotFoundError
 from ..format.layout import METADATA_NAME
+from ..locations import Backend
 from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import StatsRecorder, TransferStats
 from ..uri import CheckpointURI, parse_uri
-from .backend import Backend
 
 log = logging.getLogger("dcp_cloud")
 

@@ -12,12 +12,11 @@ The functions take a URI and the same keyword arguments:
   checkpoint); :func:`verify` takes the URI of one checkpoint.
 * ``transfer`` / ``retry``: :class:`~dcp_cloud.TransferConfig` /
   :class:`~dcp_cloud.RetryConfig` (every request goes through the one retry loop).
-* store options, as the writers take them: ``endpoint_url``, ``region``,
-  ``config`` (an ``S3Config``), ``part_limits`` for ``s3://``; ``project``,
-  ``endpoint``, ``credentials``, ``config`` (a ``GCSConfig``) for ``gs://``;
-  ``account``, ``endpoint``, ``credential``, ``config`` (an ``AzureConfig``) for ``az://``;
-  none for ``file://``.
-* ``store``: instead of store options, an already open ObjectStore bound to
+* ``config``: the options of the URI's cloud, an :class:`~dcp_cloud.S3Config` for ``s3://``, a
+  :class:`~dcp_cloud.GCSConfig` for ``gs://``, an :class:`~dcp_cloud.AzureConfig` for ``az://``, none
+  for ``file://``; ``credentials``: an explicit GCS or Azure credentials object (see
+  :mod:`dcp_cloud.locations`).
+* ``store``: instead of ``config`` and ``credentials``, an already open ObjectStore bound to
   the URI's bucket (a custom backend, or a MemoryStore in tests); the URI's
   scheme must then be the store's. It is not closed.
 

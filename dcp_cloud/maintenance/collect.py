@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import ConfigError, CorruptCheckpointError, DcpCloudError, ObjectNotFoundError
+from ..locations import OpenedLocation, StoreConfig, open_location
 from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
 from ..uri import CheckpointURI
@@ -22,9 +23,7 @@ from .common import (
     _group,
     _is_shard,
     _newest,
-    _open,
     _pending_uploads_or_none,
-    _Root,
     log,
 )
 from .dependents import committed_under, referenced_keys
@@ -40,7 +39,7 @@ class _Upload:
     full_key: str  # relative to the root's bucket (for grouping and reports)
 
 
-def _local_upload_scopes(root: _Root) -> list[tuple[ObjectStore, str, str]]:
+def _local_upload_scopes(root: OpenedLocation) -> list[tuple[ObjectStore, str, str]]:
     """(store, list prefix, key prefix in the root's bucket) of every local upload area that can hold
     uploads of a checkpoint under the root.
 
@@ -61,7 +60,7 @@ def _local_upload_scopes(root: _Root) -> list[tuple[ObjectStore, str, str]]:
     return scopes
 
 
-def _pending_uploads(root: _Root) -> tuple[list[_Upload], str | None]:
+def _pending_uploads(root: OpenedLocation) -> tuple[list[_Upload], str | None]:
     """The uploads under the root, and why they were not looked at (None when they were)."""
     scopes = _local_upload_scopes(root) if root.scheme == "file" else [(root.store, root.list_prefix(), "")]
     found = []
@@ -79,7 +78,9 @@ def _pending_uploads(root: _Root) -> tuple[list[_Upload], str | None]:
 class _Collector:
     """The state of one gc run."""
 
-    def __init__(self, root: _Root, older_than: float, dry_run: bool, protected: set[str] | None = None) -> None:
+    def __init__(
+        self, root: OpenedLocation, older_than: float, dry_run: bool, protected: set[str] | None = None
+    ) -> None:
         self.root = root
         #: Keys that some committed checkpoint under the root references (incremental checkpoints reference
         #: their bases' objects): never deleted, whatever their prefix looks like.
@@ -215,7 +216,8 @@ def gc(
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
     progress: Progress | None = None,
-    **store_kwargs: Any,
+    config: StoreConfig | None = None,
+    credentials: Any = None,
 ) -> GCReport:
     """Remove what failed saves left under the root ``uri``; returns what was removed.
 
@@ -238,7 +240,15 @@ def gc(
     """
     if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or older_than < 0:
         raise ConfigError(f"older_than must be a non-negative number of seconds, got {older_than!r}")
-    root = _open(uri, transfer, retry, store_kwargs, root=True, store=store)
+    root = open_location(
+        uri,
+        config,
+        credentials=credentials,
+        transfer=transfer,
+        retry=retry,
+        whole_bucket=True,
+        store=store,
+    )
     try:
         root.store.check_bucket()
         # Every object a committed checkpoint under the root references, its own or another's (one GET of

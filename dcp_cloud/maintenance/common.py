@@ -1,5 +1,5 @@
-"""What the maintenance functions share: the logger, the report dataclasses, opening a store for a
-root URI, and grouping object listings into checkpoint prefixes."""
+"""What the maintenance functions share: the logger, the report dataclasses, reading a committed
+checkpoint's metadata, and grouping object listings into checkpoint prefixes."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import RetryConfig, TransferConfig
-from ..errors import ConfigError, UnsupportedOperationError
+from ..errors import UnsupportedOperationError
 from ..format.layout import is_shard_path
+from ..locations import OpenedLocation
 from ..store.protocol import ObjectInfo, ObjectStore, PendingUpload
-from ..store.retry import RetryingStore
-from ..uri import CheckpointURI, parse_uri, split_azure_url
 
 log = logging.getLogger("dcp_cloud.maintenance")
 
-_SCHEMES = ("s3", "gs", "az", "file")
 _METADATA = ".metadata"
 _SHARD_RE = re.compile(r"^__\d+_[^/]*\.distcp$")
 
@@ -100,99 +97,7 @@ class VerifyReport:
         return self.items_unverified == 0
 
 
-# --------------------------------------------------------------------------
-# Opening a store for a root URI
-
-
-@dataclass
-class _Root:
-    scheme: str
-    bucket: str
-    #: Key prefix of the root without trailing slash ("" for a whole bucket).
-    prefix: str
-    store: RetryingStore
-    raw: ObjectStore
-    transfer: TransferConfig
-    retry: RetryConfig
-    #: Whether this module opened the store (and so closes it).
-    owned: bool
-    #: The recipe the store was opened with (None for an explicit store=): equal backends reach the same
-    #: service with the same credentials, so objects can be copied between them server-side.
-    backend: Any = None
-
-    def close(self) -> None:
-        if self.owned:
-            self.raw.close()
-
-    def list_prefix(self) -> str:
-        return f"{self.prefix}/" if self.prefix else ""
-
-    def url(self, key: str) -> str:
-        return self.raw.url(key)
-
-    def checkpoint_uri(self, prefix: str) -> str:
-        return str(CheckpointURI(self.scheme, self.bucket, prefix))
-
-
-def _parse_root(uri: str, schemes: tuple[str, ...]) -> CheckpointURI:
-    """Like :func:`parse_uri`, but ``s3://bucket`` (a whole bucket) is allowed."""
-    text = str(uri)
-    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://([^/]*)/*$", text)
-    if match and match.group(1).lower() != "file" and match.group(2):
-        probe = parse_uri(f"{text.rstrip('/')}/x", schemes)  # validates scheme and bucket name
-        return CheckpointURI(probe.scheme, probe.bucket, "")
-    return parse_uri(text, schemes)
-
-
-def _open(
-    uri: str,
-    transfer: TransferConfig | None,
-    retry: RetryConfig | None,
-    store_kwargs: dict[str, Any],
-    *,
-    root: bool,
-    store: ObjectStore | None = None,
-) -> _Root:
-    from ..dcp.api import STORE_OPTIONS, _azure_backend, backend_for
-
-    if not isinstance(uri, str):
-        uri = str(uri)
-    azure_backend = None
-    if store is None and split_azure_url(uri) is not None:  # https://<account>.blob.core.windows.net/...
-        unknown = sorted(set(store_kwargs) - set(STORE_OPTIONS["az"]))
-        if not unknown:
-            uri, azure_backend = _azure_backend(
-                uri,
-                store_kwargs.get("account"),
-                store_kwargs.get("endpoint"),
-                store_kwargs.get("credential"),
-                store_kwargs.get("config"),
-            )
-    schemes = (store.scheme,) if store is not None else _SCHEMES
-    parsed = _parse_root(uri, schemes) if root else parse_uri(uri, schemes)
-    allowed = () if store is not None else STORE_OPTIONS[parsed.scheme]
-    unknown = sorted(set(store_kwargs) - set(allowed))
-    if unknown:
-        raise ConfigError(
-            f"unknown option(s) {unknown} for {parsed.scheme}:// URIs"
-            + (" with an explicit store=" if store is not None else f"; accepted: {list(allowed) or 'none'}")
-        )
-    transfer = transfer or TransferConfig()
-    retry = retry or RetryConfig()
-    if store is not None:
-        if parsed.bucket != store.bucket:
-            raise ConfigError(f"{uri!r} names bucket {parsed.bucket!r} but store= is bound to {store.bucket!r}")
-        return _Root(
-            parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(store, retry), store, transfer, retry, False
-        )
-    backend = azure_backend or backend_for(parsed.scheme, store_kwargs)
-    raw = backend.open_store(parsed.bucket, transfer, retry)
-    return _Root(
-        parsed.scheme, parsed.bucket, parsed.prefix, RetryingStore(raw, retry), raw, transfer, retry, True, backend
-    )
-
-
-def _read_committed(root: _Root) -> tuple[Any, bytes]:
+def _read_committed(root: OpenedLocation) -> tuple[Any, bytes]:
     """The committed metadata of the checkpoint at ``root`` and its bytes; CheckpointNotFoundError if none."""
     from ..errors import CheckpointNotFoundError, ObjectNotFoundError
     from ..format.layout import load_metadata

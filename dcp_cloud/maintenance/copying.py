@@ -48,12 +48,13 @@ from ..errors import (
 )
 from ..format.createonly import put_create_only
 from ..format.layout import is_shard_path
+from ..locations import OpenedLocation, StoreConfig, open_location
 from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
-from .common import _METADATA, _open, _read_committed, _Root, log
+from .common import _METADATA, _read_committed, log
 from .mapped import is_mapped, send_mapped
 from .progress import Progress, Tally, or_silent, relay
 from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
@@ -90,17 +91,18 @@ def copy_checkpoint(
     retry: RetryConfig | None = None,
     source_store: ObjectStore | None = None,
     destination_store: ObjectStore | None = None,
-    source_options: dict[str, Any] | None = None,
-    destination_options: dict[str, Any] | None = None,
+    source_config: StoreConfig | None = None,
+    destination_config: StoreConfig | None = None,
+    source_credentials: Any = None,
+    destination_credentials: Any = None,
     progress: Progress | None = None,
     standalone: bool = False,
 ) -> CopyReport:
     """Copy the committed checkpoint at ``source`` to ``destination`` (any of s3://, gs://, az://, file://).
 
-    ``source_options`` / ``destination_options`` are the store options of
-    each end (as the maintenance functions take them: ``endpoint_url``,
-    ``region`` for S3; ``project``, ``endpoint`` for GCS; ``account``, ``endpoint`` for Azure); ``source_store`` /
-    ``destination_store`` an already open store instead. Raises
+    ``source_config`` / ``destination_config`` are the options of each end's cloud (``S3Config``,
+    ``GCSConfig``, ``AzureConfig``) and ``source_credentials`` / ``destination_credentials`` explicit GCS or
+    Azure credentials objects; ``source_store`` / ``destination_store`` an already open store instead. Raises
     CheckpointNotFoundError if ``source`` is not committed,
     CheckpointExistsError if ``destination`` is (and ``overwrite`` is off, or
     another copy commits it meanwhile), ChecksumMismatchError /
@@ -111,9 +113,18 @@ def copy_checkpoint(
     metadata to name them in the copy. ``progress`` hears of the bytes copied.
     """
     started = time.perf_counter()
-    src = _open(source, transfer, retry, dict(source_options or {}), root=False, store=source_store)
+    src = open_location(
+        source, source_config, credentials=source_credentials, transfer=transfer, retry=retry, store=source_store
+    )
     try:
-        dst = _open(destination, transfer, retry, dict(destination_options or {}), root=False, store=destination_store)
+        dst = open_location(
+            destination,
+            destination_config,
+            credentials=destination_credentials,
+            transfer=transfer,
+            retry=retry,
+            store=destination_store,
+        )
     except BaseException:
         src.close()
         raise
@@ -124,7 +135,7 @@ def copy_checkpoint(
         dst.close()
 
 
-def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> int:
+def stream_objects(src: OpenedLocation, dst: OpenedLocation, metadata: Any, names: list[str]) -> int:
     """Stream the objects ``names`` (relative paths of ``metadata``'s records) from ``src``'s prefix to ``dst``'s,
     every CRC32C checked on the way, through multipart uploads in bounded memory; returns the bytes copied.
     Commits nothing: the caller writes ``.metadata`` when every object is in place."""
@@ -139,7 +150,7 @@ def stream_objects(src: _Root, dst: _Root, metadata: Any, names: list[str]) -> i
     return sum(sizes.values())
 
 
-def _same_service(src: _Root, dst: _Root) -> bool:
+def _same_service(src: OpenedLocation, dst: OpenedLocation) -> bool:
     if src.scheme != dst.scheme:
         return False
     if src.backend is None or dst.backend is None:
@@ -148,7 +159,13 @@ def _same_service(src: _Root, dst: _Root) -> bool:
 
 
 def _copy(
-    src: _Root, dst: _Root, overwrite: bool, verify: bool, bar: Progress, started: float, standalone: bool = False
+    src: OpenedLocation,
+    dst: OpenedLocation,
+    overwrite: bool,
+    verify: bool,
+    bar: Progress,
+    started: float,
+    standalone: bool = False,
 ) -> CopyReport:
     source, destination = src.checkpoint_uri(src.prefix), dst.checkpoint_uri(dst.prefix)
     if _same_service(src, dst) and (src.bucket, src.prefix) == (dst.bucket, dst.prefix):
@@ -234,7 +251,7 @@ def _inside(name: str) -> bool:
     return bool(name) and not name.startswith("/") and normal not in (".", "..") and not normal.startswith("../")
 
 
-def _source_sizes(src: _Root, metadata: Any, names: list[str]) -> dict[str, int]:
+def _source_sizes(src: OpenedLocation, metadata: Any, names: list[str]) -> dict[str, int]:
     """Size of each referenced source object; CorruptCheckpointError if one is missing or truncated."""
     needed: dict[str, int] = {name: 0 for name in names}
     for info in metadata.storage_data.values():
@@ -284,7 +301,9 @@ def _renamed_metadata(metadata: Any, rename: dict[str, str]) -> bytes:
     return dump_metadata(metadata)
 
 
-def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progress, rename: dict[str, str]) -> None:
+def _copy_server_side(
+    src: OpenedLocation, dst: OpenedLocation, sizes: dict[str, int], bar: Progress, rename: dict[str, str]
+) -> None:
     source_bucket = None if src.bucket == dst.bucket else src.bucket
     with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
         store = engine.store
@@ -302,7 +321,7 @@ def _copy_server_side(src: _Root, dst: _Root, sizes: dict[str, int], bar: Progre
                 fut.cancel()
 
 
-def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any], rename: dict[str, str]) -> None:
+def _check_copies(dst: OpenedLocation, sizes: dict[str, int], regions: dict[str, Any], rename: dict[str, str]) -> None:
     """Read the server-side copies back and check every CRC32C against the source's metadata."""
     with TransferEngine(dst.raw, dst.transfer, dst.retry) as engine:
         for name, size in sizes.items():
@@ -312,8 +331,8 @@ def _check_copies(dst: _Root, sizes: dict[str, int], regions: dict[str, Any], re
 
 
 def _copy_streaming(
-    src: _Root,
-    dst: _Root,
+    src: OpenedLocation,
+    dst: OpenedLocation,
     sizes: dict[str, int],
     regions: dict[str, Any],
     bar: Progress,
@@ -436,7 +455,7 @@ def _stream(
             budget.release(len(buf))
 
 
-def _delete_unreferenced(dst: _Root, keep: set[str]) -> None:
+def _delete_unreferenced(dst: OpenedLocation, keep: set[str]) -> None:
     """After an overwrite commit: shards of the replaced checkpoint that the new metadata does not reference."""
     prefix = dst.list_prefix()
     stale = [

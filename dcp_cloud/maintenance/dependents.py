@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..dcp.save.incremental import referenced_keys
-from .common import _METADATA, _basename, _group, _Root, log
+from ..locations import OpenedLocation
+from .common import _METADATA, _basename, _group, log
 
 __all__ = ["committed_under", "dependents_of", "referenced_keys"]
 
@@ -32,7 +33,7 @@ def dependents_of(target: str, committed: Mapping[str, Any]) -> list[str]:
     )
 
 
-def committed_under(root: _Root, scan_prefix: str) -> dict[str, Any]:
+def committed_under(root: OpenedLocation, scan_prefix: str) -> dict[str, Any]:
     """Metadata of every committed checkpoint under ``scan_prefix`` (a key prefix; "" for the whole bucket).
 
     Reads one ``.metadata`` per committed checkpoint. A metadata object that

@@ -10,8 +10,9 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError
+from ..locations import StoreConfig, open_location
 from ..store.protocol import ObjectStore
-from .common import _METADATA, _basename, _open, _read_committed
+from .common import _METADATA, _basename, _read_committed
 
 _RANK_RE = re.compile(r"^__(\d+)_")
 
@@ -88,7 +89,8 @@ def inspect_checkpoint(
     transfer: TransferConfig | None = None,
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
-    **store_kwargs: Any,
+    config: StoreConfig | None = None,
+    credentials: Any = None,
 ) -> InspectReport:
     """Describe the checkpoint at ``uri``: commit state, objects, tensors, items, checksums, compression.
 
@@ -102,7 +104,15 @@ def inspect_checkpoint(
     from ..format.layout import transform_descriptors
     from .verification import ExtrasFinder
 
-    root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
+    root = open_location(
+        uri,
+        config,
+        credentials=credentials,
+        transfer=transfer,
+        retry=retry,
+        whole_bucket=False,
+        store=store,
+    )
     try:
         checkpoint = root.checkpoint_uri(root.prefix)
         root.store.check_bucket()

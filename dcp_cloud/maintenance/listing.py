@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
+from ..locations import StoreConfig, open_location
 from ..store.protocol import ObjectStore
-from .common import _METADATA, CheckpointInfo, _basename, _dirname, _group, _is_shard, _open
+from .common import _METADATA, CheckpointInfo, _basename, _dirname, _group, _is_shard
 from .dependents import committed_under, referenced_keys
 
 
@@ -17,7 +18,8 @@ def list_checkpoints(
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
     dependencies: bool = False,
-    **store_kwargs: Any,
+    config: StoreConfig | None = None,
+    credentials: Any = None,
 ) -> list[CheckpointInfo]:
     """Every checkpoint prefix under the root ``uri``, committed or not, sorted by prefix.
 
@@ -26,7 +28,15 @@ def list_checkpoints(
     ``depends_on`` (the checkpoints an incremental checkpoint references).
     Raises BucketNotFoundError / AccessDeniedError for an unusable bucket.
     """
-    root = _open(uri, transfer, retry, store_kwargs, root=True, store=store)
+    root = open_location(
+        uri,
+        config,
+        credentials=credentials,
+        transfer=transfer,
+        retry=retry,
+        whole_bucket=True,
+        store=store,
+    )
     try:
         root.store.check_bucket()
         bases: dict[str, tuple[str, ...]] = {}

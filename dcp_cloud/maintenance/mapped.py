@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from ..locations import OpenedLocation
 from ..store.local import LocalStore
 from ..transfer.engine import TransferEngine
 from ..transfer.upload import open_writer
 from ..uri import join_key
-from .common import _Root, log
+from .common import log
 from .progress import Progress, Tally, relay
 from .verification import stream_checker
 
@@ -32,14 +33,14 @@ from .verification import stream_checker
 _CHECK_SLICE = 8 << 20
 
 
-def is_mapped(src: _Root) -> bool:
+def is_mapped(src: OpenedLocation) -> bool:
     """Whether ``src``'s objects are files this process can map (a local directory)."""
     return isinstance(src.raw, LocalStore)
 
 
 def send_mapped(
-    src: _Root,
-    dst: _Root,
+    src: OpenedLocation,
+    dst: OpenedLocation,
     sizes: dict[str, int],
     regions: dict[str, Any],
     bar: Progress,

@@ -27,8 +27,9 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointInUseError, CheckpointNotFoundError, NotACheckpointError
 from ..format.createonly import PROBE_NAME
 from ..format.layout import STEP_INFO_NAME, is_shard_path
+from ..locations import OpenedLocation, StoreConfig, open_location, parse_root
 from ..store.protocol import ObjectInfo, ObjectStore
-from .common import _METADATA, _dirname, _is_shard, _open, _pending_uploads_or_none, _Root, log
+from .common import _METADATA, _dirname, _is_shard, _pending_uploads_or_none, log
 from .dependents import committed_under, dependents_of
 from .progress import Progress, or_silent
 
@@ -66,12 +67,10 @@ def _belongs(relative: str) -> bool:
     return is_shard_path(relative) or ("/" not in relative and _is_checkpoint_object(relative))
 
 
-def _scan_prefix(root: _Root, scan_root: str | None) -> str:
+def _scan_prefix(root: OpenedLocation, scan_root: str | None) -> str:
     if scan_root is None:
         return _dirname(root.prefix)
-    from .common import _parse_root
-
-    parsed = _parse_root(scan_root, (root.scheme,))
+    parsed = parse_root(scan_root, (root.scheme,))
     if parsed.bucket != root.bucket:
         from ..errors import ConfigError
 
@@ -89,7 +88,8 @@ def remove_checkpoint(
     retry: RetryConfig | None = None,
     store: ObjectStore | None = None,
     progress: Progress | None = None,
-    **store_kwargs: Any,
+    config: StoreConfig | None = None,
+    credentials: Any = None,
 ) -> RemoveReport:
     """Remove the checkpoint at ``uri`` (committed or not): ``.metadata`` first, then its shards.
 
@@ -103,7 +103,15 @@ def remove_checkpoint(
     unless ``missing_ok``.
     """
     started = time.perf_counter()
-    root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
+    root = open_location(
+        uri,
+        config,
+        credentials=credentials,
+        transfer=transfer,
+        retry=retry,
+        whole_bucket=False,
+        store=store,
+    )
     bar = or_silent(progress)
     try:
         checkpoint = root.checkpoint_uri(root.prefix)
@@ -170,7 +178,7 @@ def remove_checkpoint(
     )
 
 
-def _listing(root: _Root) -> list[ObjectInfo]:
+def _listing(root: OpenedLocation) -> list[ObjectInfo]:
     """Every object under the checkpoint's prefix; NotACheckpointError if any is not a checkpoint object."""
     prefix = root.list_prefix()
     objs = list(root.store.list(prefix))

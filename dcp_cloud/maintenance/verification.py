@@ -11,10 +11,11 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
+from ..locations import OpenedLocation, StoreConfig, open_location
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
 from ..uri import join_key
-from .common import _METADATA, VerifyReport, _open, _Root, log
+from .common import _METADATA, VerifyReport, log
 from .progress import Progress, or_silent
 
 
@@ -58,7 +59,8 @@ def verify(
     store: ObjectStore | None = None,
     progress: Progress | None = None,
     only: Collection[str] | None = None,
-    **store_kwargs: Any,
+    config: StoreConfig | None = None,
+    credentials: Any = None,
 ) -> VerifyReport:
     """Read every checksummed byte of the committed checkpoint at ``uri`` and check its CRC32C (``only``: of the
     objects with these relative paths alone).
@@ -76,7 +78,15 @@ def verify(
     from ..format.layout import load_metadata
 
     started = time.perf_counter()
-    root = _open(uri, transfer, retry, store_kwargs, root=False, store=store)
+    root = open_location(
+        uri,
+        config,
+        credentials=credentials,
+        transfer=transfer,
+        retry=retry,
+        whole_bucket=False,
+        store=store,
+    )
     try:
         store = root.store
         checkpoint = root.checkpoint_uri(root.prefix)
@@ -182,7 +192,7 @@ class ExtrasFinder:
     from its storage record in checkpoints written before footers. The one place maintenance code learns
     where an item's checksums live."""
 
-    def __init__(self, root: _Root, metadata: Any) -> None:
+    def __init__(self, root: OpenedLocation, metadata: Any) -> None:
         from ..format.layout import footer_table
 
         self.root = root
@@ -214,7 +224,7 @@ class ExtrasFinder:
         return extras
 
 
-def _run_jobs(root: _Root, jobs: list[_Job], progress: Progress) -> int:
+def _run_jobs(root: OpenedLocation, jobs: list[_Job], progress: Progress) -> int:
     """Read and check every job with bounded memory; returns the bytes verified."""
     verified = 0
     with TransferEngine(root.raw, root.transfer, root.retry) as engine:

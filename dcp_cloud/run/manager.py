@@ -7,7 +7,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.backend import Backend
 from ..dcp.device.staging import StagingConfig
 from ..errors import (
     CheckpointExistsError,
@@ -15,6 +14,7 @@ from ..errors import (
     DcpCloudError,
     StepExistsError,
 )
+from ..locations import Backend, StoreConfig
 from ..store.protocol import ObjectStore
 from .background import Background
 from .catalog import Directory
@@ -60,11 +60,11 @@ class CheckpointManager:
       dropped steps and failed saves' leftovers are deleted, never a step a kept
       step references, the newest step, or a step another job is loading.
 
-    Store options are the writers' (``endpoint_url``, ``region``, ``config`` for
-    ``s3://``; ``project``, ``endpoint``, ``credentials``, ``config`` for
-    ``gs://``; ``account``, ``endpoint``, ``credential``, ``config`` for
-    ``az://``); ``store=`` an open store (one process), ``backend=`` a picklable
-    recipe. ``process_group``: the group the job's ranks save in (default: all
+    ``config`` is the options of the root's cloud (``S3Config``, ``GCSConfig``,
+    ``AzureConfig``) and ``credentials`` an explicit GCS or Azure credentials
+    object, as :func:`dcp_cloud.writer_for` takes them; ``store=`` an open store
+    (one process), ``backend=`` a picklable recipe, instead of both.
+    ``process_group``: the group the job's ranks save in (default: all
     ranks, through two gloo groups the manager makes; a group given here must
     have a CPU backend, and the manager's other calls then wait for a save in
     flight).
@@ -89,7 +89,8 @@ class CheckpointManager:
         local: LocalTier | None = None,
         store: ObjectStore | None = None,
         backend: Backend | None = None,
-        **store_kwargs: Any,
+        config: StoreConfig | None = None,
+        credentials: Any = None,
     ) -> None:
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise ConfigError(f"retention must be a RetentionPolicy, got {type(retention).__name__}")
@@ -115,7 +116,8 @@ class CheckpointManager:
             WriterOptions(checksums, compression, compression_level, spread_prefixes),
             store,
             backend,
-            store_kwargs,
+            config,
+            credentials,
         )
         #: The node-local tier, its peers and its drain to ``root`` (None: steps are saved to ``root`` directly).
         self.local = local

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.backend import Backend
 from ..dcp.device.staging import StagingConfig
 from ..dcp.load.reader import CloudReader
 from ..format.compression import validate as validate_compression
+from ..locations import Backend, StoreConfig, open_location, parse_root
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
 from ..uri import CheckpointURI
@@ -81,14 +81,15 @@ class RunStorage:
         writer_options: WriterOptions,
         store: ObjectStore | None,
         backend: Backend | None,
-        store_kwargs: dict[str, Any],
+        config: StoreConfig | None,
+        credentials: Any,
     ) -> None:
         from ..errors import ConfigError
 
         if store is not None and backend is not None:
             raise ConfigError("pass store= (an open store, one process) or backend= (a recipe), not both")
-        if (store is not None or backend is not None) and store_kwargs:
-            raise ConfigError(f"store options {sorted(store_kwargs)} cannot be combined with store= or backend=")
+        if (store is not None or backend is not None) and (config is not None or credentials is not None):
+            raise ConfigError("store options (config=, credentials=) cannot be combined with store= or backend=")
         if store is not None and store.scheme == "file":
             raise ConfigError(
                 "store= takes an object store bound to a bucket; for a directory, give the root as file:///dir "
@@ -101,7 +102,8 @@ class RunStorage:
         self.writer_options = writer_options
         self._explicit = store
         self._backend = backend
-        self._store_kwargs = dict(store_kwargs)
+        self._config = config
+        self._credentials = credentials
         opened = self._open(root)  # validates the URI and the options now, on every rank alike
         self.location = CheckpointURI(opened.scheme, opened.bucket, opened.prefix)
         self._opened: Any = opened
@@ -111,14 +113,20 @@ class RunStorage:
         self.requests: Counter[str] = Counter()
 
     def _open(self, root: str, transfer: TransferConfig | None = None, *, whole_root: bool = True) -> Any:
-        from ..maintenance.common import _open, _parse_root
-
         transfer = transfer or self.transfer
         store = self._explicit
         if self._backend is not None:
-            parsed = _parse_root(root, tuple(self._backend.schemes))
+            parsed = parse_root(root, tuple(self._backend.schemes))
             store = self._backend.open_store(parsed.bucket, transfer, self.retry)
-        opened = _open(root, transfer, self.retry, self._store_kwargs, root=whole_root, store=store)
+        opened = open_location(
+            root,
+            self._config,
+            credentials=self._credentials,
+            transfer=transfer,
+            retry=self.retry,
+            whole_bucket=whole_root,
+            store=store,
+        )
         if self._backend is not None:
             opened.owned = True  # opened here from the recipe: closed with the manager
         return opened

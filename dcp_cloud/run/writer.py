@@ -19,11 +19,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..dcp.backend import Backend
 from ..dcp.save.writer import CloudWriter
 from ..errors import CheckpointExistsError, ObjectNotFoundError, PreconditionFailedError, StepExistsError
 from ..format.createonly import put_create_only
 from ..format.layout import METADATA_NAME, STEP_INFO_NAME
+from ..locations import Backend
 from ..store.clients import environment_digest
 from .stepinfo import StepRecord, objects_of
 

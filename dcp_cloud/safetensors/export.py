@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.api import backend_for
 from ..dcp.load.reader import CloudReader
 from ..dcp.metashare import from_rank, portable
 from ..errors import (
@@ -40,11 +39,11 @@ from ..errors import (
     StoreError,
 )
 from ..format.createonly import put_create_only
-from ..maintenance.common import _open, _Root, log
+from ..locations import OpenedLocation, StoreConfig, locate, open_location
+from ..maintenance.common import log
 from ..maintenance.progress import Progress, or_silent
 from ..store.clients import environment_digest
 from ..transfer.engine import TransferEngine
-from ..uri import parse_uri
 from .format import INDEX_NAME, SINGLE_NAME, build_header, build_index, file_name
 from .plan import OutTensor, assign_files, select_tensors
 from .stream import STRIPE_BUFFERS, write_files
@@ -122,13 +121,15 @@ def export_safetensors(
     overwrite: bool = False,
     transfer: TransferConfig | None = None,
     retry: RetryConfig | None = None,
-    source_options: Mapping[str, Any] | None = None,
-    destination_options: Mapping[str, Any] | None = None,
+    source_config: StoreConfig | None = None,
+    destination_config: StoreConfig | None = None,
+    source_credentials: Any = None,
+    destination_credentials: Any = None,
     process_group: Any = None,
     progress: Progress | None = None,
 ) -> ExportReport:
     """Write the committed DCP checkpoint at ``source`` as Hugging Face safetensors files under
-    ``destination`` (each of s3://, gs://, file:// or a path): ``model-00001-of-0000N.safetensors`` and
+    ``destination`` (each of s3://, gs://, az://, file:// or a path): ``model-00001-of-0000N.safetensors`` and
     ``model.safetensors.index.json``, which is written last and create-only.
 
     ``prefix`` keeps only the tensors whose name starts with it, and strips it (``"model."`` for the
@@ -140,9 +141,10 @@ def export_safetensors(
     ``extra_files`` (name -> bytes, e.g. ``config.json``) are uploaded beside the files, before the index.
 
     Run it in every rank of a process group (``process_group``, default: the default group when one is
-    up) to share the files out; alone, one process writes them all. ``source_options`` /
-    ``destination_options`` are each end's store options (``endpoint_url``, ``region`` for S3;
-    ``project``, ``endpoint`` for GCS). Memory: about ``transfer.memory_budget``, whatever the sizes.
+    up) to share the files out; alone, one process writes them all. ``source_config`` /
+    ``destination_config`` are the options of each end's cloud (``S3Config``, ``GCSConfig``,
+    ``AzureConfig``), ``source_credentials`` / ``destination_credentials`` explicit GCS or Azure credentials
+    objects. Memory: about ``transfer.memory_budget``, whatever the sizes.
 
     Raises CheckpointNotFoundError for an uncommitted source, CheckpointExistsError where a model is
     already at the destination (``overwrite=True`` replaces it: its index goes first, so it is never seen
@@ -162,15 +164,16 @@ def export_safetensors(
     writes = replace(transfer, max_inflight_parts=max(1, transfer.max_inflight_parts // 2))
     reads = replace(transfer, max_inflight_parts=max(1, transfer.max_inflight_parts // 4))
     stripe_budget = max(64 * 1024, transfer.memory_budget // (4 * STRIPE_BUFFERS))
-    dst: _Root | None = None
+    dst: OpenedLocation | None = None
     reader: CloudReader | None = None
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
-        dst = _open(destination, writes, retry, dict(destination_options or {}), root=False)
-        src_uri = parse_uri(source, ("s3", "gs", "az", "file"))
-        backend = backend_for(src_uri.scheme, dict(source_options or {}))
-        reader = CloudReader(source, backend, transfer=reads, retry=retry, share_metadata=False, share_reads=False)
+        dst = open_location(
+            destination, destination_config, credentials=destination_credentials, transfer=writes, retry=retry
+        )
+        src = locate(source, source_config, credentials=source_credentials)
+        reader = CloudReader(source, src.backend, transfer=reads, retry=retry, share_metadata=False, share_reads=False)
         md = reader.read_metadata()
         reader.set_up_storage_reader(md, False)  # one INFO line per export, not one per stripe
         state = _plan(md, prefix, rename, dtype, max_file_size, dcp_sharding_info, metadata)
@@ -276,7 +279,7 @@ def _plan(
     }
 
 
-def _uncommit(dst: _Root, overwrite: bool, source: str, extra_files: Mapping[str, bytes] | None) -> bool:
+def _uncommit(dst: OpenedLocation, overwrite: bool, source: str, extra_files: Mapping[str, bytes] | None) -> bool:
     """Refuse a destination that holds a model (unless ``overwrite``: then its index goes first, so no reader
     takes the directory for a complete model while its files are replaced). Returns whether one was there."""
     for name in extra_files or {}:
@@ -303,7 +306,7 @@ def _uncommit(dst: _Root, overwrite: bool, source: str, extra_files: Mapping[str
     return True
 
 
-def _commit(dst: _Root, state: dict[str, Any], extra_files: Mapping[str, bytes] | None) -> None:
+def _commit(dst: OpenedLocation, state: dict[str, Any], extra_files: Mapping[str, bytes] | None) -> None:
     """The extra files, then the index (create-only), then files of an earlier export that the index does
     not name."""
     for name, body in (extra_files or {}).items():

@@ -40,12 +40,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.api import backend_for
 from ..dcp.device.staging import StagingConfig
 from ..dcp.load.reader import CloudReader
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..format.layout import DCP_VERSION, ItemExtras, dump_metadata, storage_info
-from ..uri import parse_uri
+from ..locations import StoreConfig, locate
 from .format import INDEX_NAME, SINGLE_NAME, Header, header_length, parse_header, parse_index
 
 __all__ = ["HEADER_GUESS", "SafetensorsReader"]
@@ -63,9 +62,9 @@ class SafetensorsReader(CloudReader):
 
     ``rename`` maps each tensor's name in the files to its name in the state dict (None: not loaded);
     ``prefix`` is then put in front of every name (``"model."`` loads into a ``{"model": ...}`` state).
-    A URI ending in ``.safetensors`` names one file. Store options: ``endpoint_url``, ``region`` (S3),
-    ``project``, ``endpoint``, ``credentials`` (GCS), ``account``, ``endpoint``, ``credential`` (Azure),
-    ``config`` (any). ``process_group``,
+    A URI ending in ``.safetensors`` names one file. ``config`` is the options of the URI's cloud
+    (``S3Config``, ``GCSConfig``, ``AzureConfig``) and ``credentials`` an explicit GCS or Azure credentials
+    object, as :func:`dcp_cloud.reader_for` takes them. ``process_group``,
     ``share_metadata``, ``share_reads``, ``staging``, ``transfer`` and ``retry`` are
     :class:`~dcp_cloud.S3Reader`'s.
     """
@@ -76,14 +75,8 @@ class SafetensorsReader(CloudReader):
         *,
         prefix: str | None = None,
         rename: Callable[[str], str | None] | None = None,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        project: str | None = None,
-        endpoint: str | None = None,
+        config: StoreConfig | None = None,
         credentials: Any = None,
-        account: str | None = None,
-        credential: Any = None,
-        config: Any = None,
         transfer: TransferConfig | None = None,
         retry: RetryConfig | None = None,
         process_group: Any = None,
@@ -91,24 +84,14 @@ class SafetensorsReader(CloudReader):
         share_reads: bool = True,
         staging: StagingConfig | None = None,
     ) -> None:
-        scheme = parse_uri(path, ("s3", "gs", "az", "file")).scheme
-        given = {
-            "endpoint_url": endpoint_url,
-            "region": region,
-            "project": project,
-            "endpoint": endpoint,
-            "credentials": credentials,
-            "account": account,
-            "credential": credential,
-            "config": config,
-        }
+        where = locate(path, config, credentials=credentials)
         #: Put in front of every tensor's name (after ``rename``).
         self.prefix = prefix
         #: Maps a name in the files to a name in the state dict, or None to leave the tensor out.
         self.rename = rename
         super().__init__(
             path,
-            backend_for(scheme, {k: v for k, v in given.items() if v is not None}),
+            where.backend,
             transfer=transfer,
             retry=retry,
             process_group=process_group,

@@ -6,6 +6,7 @@ kept, nothing left of what is dropped, and ``dcp-cloud steps``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,14 @@ def exercise(root: str, manager: Callable[..., CheckpointManager], keys: Callabl
 
 
 def test_a_run_on_s3(compat: Compat, cli: Any) -> None:
-    from dcp_cloud.dcp.backend import S3Backend
+    from dcp_cloud.locations import S3Backend
 
     root = compat.uri("run")
 
     def manager(wire: Tripwire | None = None, **kw: Any) -> CheckpointManager:
-        backend = TripwireBackend(S3Backend(compat.config(), compat.target.limits), (wire,) if wire else ())
+        backend = TripwireBackend(
+            S3Backend(dataclasses.replace(compat.config(), part_limits=compat.target.limits)), (wire,) if wire else ()
+        )
         return CheckpointManager(root, transfer=SMALL_PARTS, backend=backend, **kw)
 
     exercise(root, manager, lambda: compat.keys("run/"))
@@ -86,7 +89,7 @@ def test_a_run_on_s3(compat: Compat, cli: Any) -> None:
 
 
 def test_a_run_on_gcs(gcs_env: dict[str, str], gcs_bucket: str) -> None:
-    from dcp_cloud.dcp.backend import GCSBackend
+    from dcp_cloud.locations import GCSBackend
     from dcp_cloud.store.gcs import GCSConfig, GCSStore
 
     root = f"gs://{gcs_bucket}/run"
@@ -107,7 +110,7 @@ def test_a_run_on_gcs(gcs_env: dict[str, str], gcs_bucket: str) -> None:
 
 
 def test_a_run_on_a_local_directory(tmp_path: Path) -> None:
-    from dcp_cloud.dcp.backend import LocalBackend
+    from dcp_cloud.locations import LocalBackend
 
     root = f"file://{tmp_path}/run"
 
@@ -123,7 +126,7 @@ def test_a_run_on_a_local_directory(tmp_path: Path) -> None:
 
 
 def test_a_run_on_azure(azure_env: dict[str, str], azure_container: str) -> None:
-    from dcp_cloud.dcp.backend import AzureBackend
+    from dcp_cloud.locations import AzureBackend
     from dcp_cloud.store.azure import AzureStore
 
     root = f"az://{azure_container}/run"

@@ -81,14 +81,14 @@ def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
 def backend(target: Target) -> Any:
     """The store recipe of ``target`` (what ``CheckpointManager(root, backend=...)`` takes): its endpoint, and for
     S3 its part limits; credentials come from the ranks' environment (``target.env``)."""
-    from dcp_cloud.dcp.backend import AzureBackend, GCSBackend, LocalBackend, S3Backend
+    from dcp_cloud.locations import AzureBackend, GCSBackend, LocalBackend, S3Backend
 
     if target.kind == "s3":
         from dcp_cloud.store.protocol import PartLimits
         from dcp_cloud.store.s3 import S3Config
 
         limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
-        return S3Backend(S3Config(endpoint_url=target.endpoint_url, region=target.region), limits)
+        return S3Backend(S3Config(endpoint_url=target.endpoint_url, region=target.region, part_limits=limits))
     if target.kind == "gcs":
         return GCSBackend(_gcs_config(target, {}))
     if target.kind == "azure":
@@ -96,20 +96,20 @@ def backend(target: Target) -> Any:
     return LocalBackend()
 
 
-def maintenance_options(target: Target, store: dict[str, Any]) -> dict[str, Any]:
-    """Store options of ``target`` as the maintenance functions (copy_checkpoint, verify) take them."""
+def store_config(target: Target, store: dict[str, Any]) -> Any:
+    """The store options of ``target`` (its S3Config, GCSConfig or AzureConfig, None for a directory) as the
+    maintenance functions (copy_checkpoint, verify, gc, remove_checkpoint) take them."""
     if target.kind == "s3":
         from dcp_cloud.store.protocol import PartLimits
         from dcp_cloud.store.s3 import S3Config
 
         limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
-        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
-        return {"config": config, "part_limits": limits}
+        return S3Config(endpoint_url=target.endpoint_url, region=target.region, part_limits=limits, **store)
     if target.kind == "gcs":
-        return {"config": _gcs_config(target, store)}
+        return _gcs_config(target, store)
     if target.kind == "azure":
-        return {"config": _azure_config(target, store)}
-    return {}
+        return _azure_config(target, store)
+    return None
 
 
 def _gcs_config(target: Target, store: dict[str, Any]) -> Any:

@@ -315,19 +315,19 @@ class CaseRun:
     def copy(self) -> None:
         import dcp_cloud
 
-        store = targets.maintenance_options(self.target, by_scope(self.case.options, self.target.kind))
+        store = targets.store_config(self.target, by_scope(self.case.options, self.target.kind))
         dest = self._copy_target
-        dest_store = targets.maintenance_options(dest, by_scope(self.case.options, dest.kind))
+        dest_store = targets.store_config(dest, by_scope(self.case.options, dest.kind))
         copied = targets.case_uri(dest, self.case_id, "copy")
         if dest.kind == "local":
             Path(copied).parent.mkdir(parents=True, exist_ok=True)
-        checked = dcp_cloud.verify(self.ours, **store)
+        checked = dcp_cloud.verify(self.ours, config=store)
         if self.case.opt("checksums") is not False and checked.items_unverified:
             self.report.mismatches.append(f"verify: items saved with checksums on have none: {checked}")
         dcp_cloud.copy_checkpoint(
-            self.ours, copied, source_options=store, destination_options=dest_store, standalone=self.incremental
+            self.ours, copied, source_config=store, destination_config=dest_store, standalone=self.incremental
         )
-        copy_checked = dcp_cloud.verify(copied, **dest_store)
+        copy_checked = dcp_cloud.verify(copied, config=dest_store)
         same = ("items_checked", "items_unverified", "bytes_verified")
         if any(getattr(copy_checked, name) != getattr(checked, name) for name in same):
             self.report.mismatches.append(f"verify of the copy: {copy_checked}; of the original: {checked}")
@@ -350,13 +350,13 @@ class CaseRun:
         if left:
             self.report.mismatches.append(f"overwrite left {len(left)} object(s) of the earlier save: {left[:5]}")
 
-    def _store(self) -> dict[str, Any]:
-        return targets.maintenance_options(self.target, by_scope(self.case.options, self.target.kind))
+    def _store(self) -> Any:
+        return targets.store_config(self.target, by_scope(self.case.options, self.target.kind))
 
     def gc(self) -> None:
         import dcp_cloud
 
-        dcp_cloud.gc(targets.case_root(self.target, self.case_id), older_than=0, **self._store())
+        dcp_cloud.gc(targets.case_root(self.target, self.case_id), older_than=0, config=self._store())
 
     def after_gc(self) -> None:
         self.load()
@@ -379,7 +379,7 @@ class CaseRun:
         )
         if uses_base:
             try:
-                dcp_cloud.remove_checkpoint(self.base, **self._store())
+                dcp_cloud.remove_checkpoint(self.base, config=self._store())
             except dcp_cloud.CheckpointInUseError:
                 pass
             else:
@@ -395,7 +395,7 @@ class CaseRun:
     def _remove(self, uri: str, name: str) -> None:
         import dcp_cloud
 
-        dcp_cloud.remove_checkpoint(uri, **self._store())
+        dcp_cloud.remove_checkpoint(uri, config=self._store())
         left = targets.stored_keys(self.target, self.case_id, name)
         if left:
             self.report.mismatches.append(f"rm of {name} left {len(left)} object(s): {left[:5]}")

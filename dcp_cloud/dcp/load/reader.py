@@ -60,9 +60,9 @@ from ...format.layout import (
     tiled_objects,
     transform_descriptors,
 )
+from ...locations import Backend
 from ...planner.readshare import ShareSchedule, plan_sharing, record_wants
 from ...transfer.engine import READ_BURST
-from ..backend import Backend
 from ..base import CloudBase, log
 from ..device.staging import StagingConfig
 from ..metashare import broadcast_bytes, in_process_group, sharing_group

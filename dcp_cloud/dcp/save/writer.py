@@ -53,12 +53,12 @@ from ...format.layout import (
     storage_info,
 )
 from ...format.tensorbytes import values_of
+from ...locations import Backend
 from ...planner.load import share_chunk_lists
 from ...planner.tiles import TileMap, tile_plan
 from ...store.clients import environment_digest
 from ...transfer.ranges import plan_part_size
 from ...transfer.upload import ObjectWriter, open_writer
-from ..backend import Backend
 from ..base import CloudBase, log
 from ..device.devicefeed import save_resolver, write_fed
 from ..device.staging import Lease, StagingConfig

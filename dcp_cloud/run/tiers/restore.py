@@ -16,11 +16,11 @@ import logging
 import os
 from typing import Any
 
-from ...dcp.backend import LocalBackend
 from ...dcp.load.reader import CloudReader
 from ...dcp.typed import load as typed_load
 from ...errors import CorruptCheckpointError
 from ...format.layout import METADATA_NAME, load_metadata
+from ...locations import LocalBackend
 from ..group import exchange
 from ..saving import plain
 from .p2p import FileMove, move_files
@@ -52,7 +52,7 @@ def wanted_files(step_dir: str, state: dict[str, Any], planner: Any, coordinator
 
 def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> dict[str, int]:
     """Whole files of step ``name`` from the object store into this node's copy (CRC32C checked); their sizes."""
-    from ...maintenance.common import _open
+    from ...locations import open_location
     from ...maintenance.copying import stream_objects
 
     if not relatives:
@@ -62,7 +62,7 @@ def _fetch_remote(tiers: LocalTiers, name: str, relatives: list[str]) -> dict[st
         metadata = load_metadata(f.read(), f"{directory}/{METADATA_NAME}")
     src = tiers.storage.open_step(name)
     try:
-        dst = _open(directory, None, None, {}, root=False)
+        dst = open_location(directory)
         try:
             stream_objects(src, dst, metadata, relatives)
         finally:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...dcp.backend import LocalBackend
 from ...format.layout import METADATA_NAME, STEP_INFO_NAME
+from ...locations import LocalBackend
 from ..group import Groups, exchange
 from ..naming import StepNaming
 from ..stepinfo import StepRecord

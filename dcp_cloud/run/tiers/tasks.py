@@ -95,7 +95,7 @@ def drain(
     """Upload step ``name`` from the local tiers to the run's root and commit it there (create-only, as a direct
     save commits; ``overwrite``: replacing the committed copy there, as a save with ``overwrite=True`` does);
     True once it is committed there (now or by an earlier drain)."""
-    from ...maintenance.common import _open
+    from ...locations import open_location
 
     group = tiers.groups.tiers()
     me = tiers.rank()
@@ -132,7 +132,7 @@ def drain(
             if not mine:
                 return 0
             metadata = load_metadata(metadata_bytes, f"{tiers.step_dir(name)}/{METADATA_NAME}")
-            src = _open(tiers.step_dir(name), None, None, {}, root=False)
+            src = open_location(tiers.step_dir(name))
             try:
                 dst = storage.open_step(name, tiers.config.drain_transfer)
                 try:

@@ -8,6 +8,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from ...errors import ConfigError
+from ..protocol import PartLimits
 
 _ADDRESSING_STYLES = ("auto", "path", "virtual")
 _CLIENTS = ("auto", "botocore", "lean")
@@ -54,6 +55,9 @@ class S3Config:
     #: reads every setting of ``~/.aws/config``. ``"lean"``: the lean client
     #: wherever it can (on AWS: ``https://s3.<region>.amazonaws.com``).
     client: Literal["auto", "botocore", "lean"] = "auto"
+    #: Multipart size rules of an S3-compatible server whose rules differ from S3's (smallest part, largest
+    #: part, most parts). ``None``: S3's (5 MiB, 5 GiB, 10,000 parts).
+    part_limits: PartLimits | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -94,4 +98,8 @@ class S3Config:
         _require(
             isinstance(self.transport_checksums, bool),
             f"transport_checksums must be a bool, got {self.transport_checksums!r}",
+        )
+        _require(
+            self.part_limits is None or isinstance(self.part_limits, PartLimits),
+            f"part_limits must be a PartLimits or None, got {type(self.part_limits).__name__}",
         )

@@ -1,18 +1,25 @@
-"""Backends: picklable recipes that open an ObjectStore for a bucket in the current process.
+"""Backends: picklable recipes that open an ObjectStore for a bucket in the current process, one per cloud
+(S3, GCS, Azure) and one for local directories.
 
-Writers and readers carry a backend (configuration only); the store and its
-SDK client are made lazily in whichever process uses them, which is what
-lets ``dcp.async_save`` pickle a writer into a worker process.
+Writers, readers, the run layer and the maintenance functions carry a backend (configuration only); the
+store and its SDK client are made lazily in whichever process uses them, which is what lets
+``dcp.async_save`` pickle a writer into a worker process. :func:`dcp_cloud.locations.locate` is where a
+URI and its options become one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import RetryConfig, TransferConfig
-from ..store.protocol import ObjectStore, PartLimits
+from ..store.protocol import ObjectStore
 from ..transfer.engine import READ_BURST
+
+if TYPE_CHECKING:
+    from ..store.azure.config import AzureConfig
+    from ..store.gcs.config import GCSConfig
+    from ..store.s3.config import S3Config
 
 
 class Backend(Protocol):
@@ -24,10 +31,9 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class S3Backend:
-    """Amazon S3 and S3-compatible stores (MinIO, Ceph, R2) through boto3."""
+    """Amazon S3 and S3-compatible stores (MinIO, Ceph, R2) through the lean client or botocore."""
 
-    config: Any = None  # dcp_cloud.store.s3.S3Config; Any keeps boto3 imports lazy
-    limits: PartLimits | None = None
+    config: S3Config | None = None
     schemes: tuple[str, ...] = ("s3",)
 
     def open_store(self, bucket: str, transfer: TransferConfig, retry: RetryConfig) -> ObjectStore:
@@ -38,7 +44,7 @@ class S3Backend:
             self.config or S3Config(),
             request_timeout=retry.request_timeout,
             max_connections=transfer.concurrency * READ_BURST + 2,
-            limits=self.limits,
+            limits=self.config.part_limits if self.config is not None else None,
         )
 
 
@@ -46,7 +52,7 @@ class S3Backend:
 class GCSBackend:
     """Google Cloud Storage through google-cloud-storage."""
 
-    config: Any = None  # dcp_cloud.store.gcs.GCSConfig
+    config: GCSConfig | None = None
     #: An explicit google.auth credentials object: usable in-process only, never pickled.
     credentials: Any = field(default=None, repr=False, compare=False)
     schemes: tuple[str, ...] = ("gs",)
@@ -82,7 +88,7 @@ class GCSBackend:
 class AzureBackend:
     """Azure Blob Storage (block blobs) through dcp_cloud's own client."""
 
-    config: Any = None  # dcp_cloud.store.azure.AzureConfig
+    config: AzureConfig | None = None
     #: An explicit credential object (key, SAS or token credential): usable in-process only, never pickled.
     credential: Any = field(default=None, repr=False, compare=False)
     schemes: tuple[str, ...] = ("az",)
