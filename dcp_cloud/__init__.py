@@ -41,9 +41,11 @@ from .errors import (
     StoreError,
     ThrottledError,
     TransientStoreError,
+    UnsafeCheckpointError,
     UnsupportedCheckpointError,
     UnsupportedOperationError,
 )
+from .format.safepickle import trust_metadata_classes
 from .maintenance import (
     CheckpointInfo,
     CopyReport,
@@ -132,6 +134,7 @@ __all__ = [
     "TransferStats",
     "TransientStoreError",
     "UnsupportedCheckpointError",
+    "UnsafeCheckpointError",
     "UnsupportedOperationError",
     "VerifyReport",
     "close_clients",
@@ -147,5 +150,6 @@ __all__ = [
     "save",
     "typed_errors",
     "verify",
+    "trust_metadata_classes",
     "writer_for",
 ]

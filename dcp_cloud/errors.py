@@ -73,6 +73,11 @@ class CorruptCheckpointError(DcpCloudError, ValueError):
     """The checkpoint's metadata or an object is malformed, truncated or foreign."""
 
 
+class UnsafeCheckpointError(DcpCloudError, ValueError):
+    """The checkpoint's metadata names a class or function that DCP metadata never holds, so loading it
+    could run code; it was refused before anything ran (see ``trust_metadata_classes``)."""
+
+
 class ChecksumMismatchError(CorruptCheckpointError):
     """Bytes read back do not match the checksum recorded at save time."""
 
@@ -183,6 +188,7 @@ __all__ = [
     "StoreError",
     "ThrottledError",
     "TransientStoreError",
+    "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
     "UnsupportedOperationError",
 ]

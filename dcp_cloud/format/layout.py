@@ -35,7 +35,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .safepickle import safe_loads
 from .torchprivate import StorageInfo
 
 METADATA_NAME = ".metadata"
@@ -198,9 +199,12 @@ def dump_metadata(metadata: Metadata) -> bytes:
 
 
 def load_metadata(data: bytes, url: str) -> Metadata:
-    """Unpickle a ``.metadata`` object, turning every failure into CorruptCheckpointError."""
+    """Unpickle a ``.metadata`` object through the allow-list of :mod:`~dcp_cloud.format.safepickle`
+    (UnsafeCheckpointError for any other global), turning every other failure into CorruptCheckpointError."""
     try:
-        metadata = pickle.loads(data)
+        metadata = safe_loads(data, url)
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad object
         raise CorruptCheckpointError(
             f"{url} is not a readable DCP metadata object ({type(exc).__name__}); it is corrupted, "

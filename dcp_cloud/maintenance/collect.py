@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..errors import ConfigError, CorruptCheckpointError, DcpCloudError, ObjectNotFoundError
+from ..errors import ConfigError, CorruptCheckpointError, DcpCloudError, ObjectNotFoundError, UnsafeCheckpointError
 from ..locations import OpenedLocation, StoreConfig, open_location
 from ..store.protocol import ObjectInfo, ObjectStore
 from ..store.retry import RetryingStore
@@ -173,7 +173,7 @@ class _Collector:
             before = store.head(meta_key)
             metadata = load_metadata(store.get(meta_key), self.root.url(meta_key))
             referenced = {f"{prefix}/{info.relative_path}" for info in metadata.storage_data.values()}
-        except (CorruptCheckpointError, ObjectNotFoundError, AttributeError, TypeError) as exc:
+        except (CorruptCheckpointError, UnsafeCheckpointError, ObjectNotFoundError, AttributeError, TypeError) as exc:
             reason = str(exc) if isinstance(exc, DcpCloudError) else f"storage records are malformed ({exc})"
             self.skip(prefix, f"committed, but its metadata cannot be read: {reason}")
             return

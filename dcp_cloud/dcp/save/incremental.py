@@ -53,7 +53,13 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ...errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ObjectNotFoundError
+from ...errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    UnsafeCheckpointError,
+)
 from ...format.contenthash import DIGEST_SIZE
 from ...format.layout import (
     META_ATTR,
@@ -390,7 +396,7 @@ def not_held_by_dependents(store: Any, target: CheckpointURI, stale: Iterable[st
             continue
         try:
             metadata = load_metadata(store.get(obj.key), store.url(obj.key))
-        except (CorruptCheckpointError, ObjectNotFoundError) as exc:
+        except (CorruptCheckpointError, UnsafeCheckpointError, ObjectNotFoundError) as exc:
             log.warning(
                 "overwrite of %s deletes none of its %d replaced shard(s): could not read %s to rule it out as a "
                 "dependent (%s); `gc` removes them once nothing references them",
