@@ -156,17 +156,22 @@ def test_nothing_below_the_run_layer_imports_it() -> None:
 #: The modules outside ``store/azure/`` and ``testing/`` that may know Azure exists, and why (the store boundary:
 #: a backend is one folder plus its rows in these tables).
 AZURE_ALLOWED = {
-    "dcp_cloud/__init__.py": "exports AzureWriter / AzureReader",
+    "dcp_cloud/__init__.py": "exports AzureWriter / AzureReader / AzureConfig",
     "dcp_cloud/dcp/api.py": "the public constructors, as for every backend",
-    "dcp_cloud/dcp/backend.py": "AzureBackend, the picklable recipe that opens the store in each process",
+    "dcp_cloud/dcp/factory.py": "writer_for / reader_for: the az row of the constructor table",
+    "dcp_cloud/dcp/routing.py": "docstring: the URLs install() routes",
+    "dcp_cloud/locations/__init__.py": "docstring: the URIs and configs of the location seam",
+    "dcp_cloud/locations/locate.py": "the location seam: Azure blob URLs and AzureConfig, once",
+    "dcp_cloud/locations/backends.py": "AzureBackend, the picklable recipe that opens the store in each process",
     "dcp_cloud/uri.py": "the URI table: az:// and Azure blob URLs",
-    "dcp_cloud/maintenance/common.py": "the az row of the maintenance functions' scheme table",
     "dcp_cloud/maintenance/__init__.py": "docstring: the az:// store options",
-    "dcp_cloud/maintenance/copying.py": "docstring: az:// among cp's ends",
-    "dcp_cloud/cli/commands.py": "the CLI's URI table (--account, --endpoint for az://)",
+    "dcp_cloud/maintenance/copying.py": "docstring: az:// among cp's ends, AzureConfig among the configs",
+    "dcp_cloud/cli/commands.py": "docstring: the config the CLI's options make",
     "dcp_cloud/cli/main.py": "the CLI's help texts and options",
     "dcp_cloud/cli/demo.py": "dcp-cloud demo --backend azure",
-    "dcp_cloud/safetensors/reader.py": "docstring: the az:// store options (account, credential)",
+    "dcp_cloud/run/manager.py": "docstring: AzureConfig among the configs",
+    "dcp_cloud/safetensors/export.py": "docstring: AzureConfig among the configs",
+    "dcp_cloud/safetensors/reader.py": "docstring: AzureConfig among the configs",
     "dcp_cloud/store/clients.py": "AZURE_* variables decide how a shared client is built",
     "dcp_cloud/store/protocol.py": "docstrings: which backend declares which capability",
 }
