@@ -15,6 +15,7 @@ from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader
 from .dcp.device.staging import StagingConfig, free_staging_pool
 from .dcp.factory import reader_for, writer_for
 from .dcp.load.reader import CloudReader
+from .dcp.routing import install, install_from_environment, uninstall
 from .dcp.save.writer import CloudWriter
 from .dcp.typed import load, save, typed_errors
 from .errors import (
@@ -72,6 +73,7 @@ from .store.s3.config import S3Config
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
+install_from_environment()
 
 __version__ = "0.1.0"
 
@@ -143,12 +145,14 @@ __all__ = [
     "free_staging_pool",
     "gc",
     "inspect_checkpoint",
+    "install",
     "list_checkpoints",
     "load",
     "reader_for",
     "remove_checkpoint",
     "save",
     "typed_errors",
+    "uninstall",
     "verify",
     "trust_metadata_classes",
     "writer_for",

@@ -24,6 +24,11 @@ Private name -> what for -> the public path taken when the check fails:
 * ``torch.distributed.checkpoint.filesystem._StorageInfo`` -> the storage record
   stock ``FileSystemReader`` reads -> none: stock torch reads exactly this
   class, so its fields are checked at import and a mismatch is an ImportError.
+* ``state_dict_saver._storage_setup`` / ``state_dict_loader._storage_setup`` ->
+  where ``dcp.save``/``dcp.load`` pick a writer or reader for a bare
+  ``checkpoint_id`` (``dcp_cloud.install``) -> none: the seam is checked when
+  routing is asked for, and a changed one is an error then (never a silent
+  fall back to torch's own choice).
 
 torch's element sizes, tensor narrowing, storage alignment and memory pinning
 have public equivalents, so dcp_cloud uses those (``dtype.itemsize``,
@@ -33,6 +38,7 @@ have public equivalents, so dcp_cloud uses those (``dtype.itemsize``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import pickle
@@ -209,4 +215,116 @@ def planner_helpers() -> PlannerHelpers | None:
         _create_read_item_for_tensor,
         _check_shard_metadata_pair_overlap,
         _shards_get_overlap_region_wrt_saved_tensor,
+    )
+
+
+# -- where dcp.save / dcp.load choose storage for a bare checkpoint_id -------------------------------
+#: (module, attribute) that call ``_storage_setup(storage, checkpoint_id, reader=...)`` by their own name.
+_SETUP_SITES = (
+    ("torch.distributed.checkpoint.state_dict_saver", "_storage_setup"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_storage_setup"),
+)
+_SETUP_PARAMS = ["storage", "checkpoint_id", "reader"]
+
+StorageChooser = Callable[[Any, bool], Any]
+
+
+class _RoutedSetup:
+    """``_storage_setup`` that asks ``choose(checkpoint_id, reader)`` first when no storage is given."""
+
+    def __init__(self, original: Callable[..., Any], choose: StorageChooser) -> None:
+        self.original = original
+        self.choose = choose
+
+    def __call__(self, storage: Any, checkpoint_id: Any, reader: bool = False) -> Any:
+        if not storage and checkpoint_id:
+            chosen = self.choose(checkpoint_id, reader)
+            if chosen is not None:
+                chosen.reset(checkpoint_id)
+                return chosen
+        return self.original(storage, checkpoint_id, reader=reader)
+
+
+class _RoutedAsyncSave:
+    """``async_save`` that builds the chosen writer before staging, so that writer stages (it is an
+    ``AsyncStager``) and a process-based upload gets it pickled rather than choosing again in a process
+    that was never routed."""
+
+    def __init__(self, original: Callable[..., Any], choose: StorageChooser) -> None:
+        self.original = original
+        self.choose = choose
+        functools.update_wrapper(self, original)
+
+    def __call__(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint_id = kwargs.get("checkpoint_id")
+        if not args and kwargs.get("storage_writer") is None and checkpoint_id:
+            chosen = self.choose(checkpoint_id, False)
+            if chosen is not None:
+                kwargs["storage_writer"] = chosen
+        return self.original(state_dict, *args, **kwargs)
+
+
+#: (module, attribute) of ``async_save``: the package's (what ``dcp.async_save`` calls) and its home's.
+_ASYNC_SITES = (
+    ("torch.distributed.checkpoint", "async_save"),
+    ("torch.distributed.checkpoint.state_dict_saver", "async_save"),
+)
+
+_ROUTED = (_RoutedSetup, _RoutedAsyncSave)
+
+
+def _original(current: Any) -> Any:
+    return current.original if isinstance(current, _ROUTED) else current
+
+
+def route_storage_setup(choose: StorageChooser) -> None:
+    """Make ``dcp.save``/``async_save``/``load`` without a writer or reader ask ``choose(checkpoint_id,
+    reader)`` for one (``None``: torch's own choice). Replaces an earlier routing. RuntimeError, before
+    anything is changed, if this torch picks its storage elsewhere."""
+    import importlib
+    import inspect
+
+    sites = []
+    for module_name, attr in _SETUP_SITES:
+        module = importlib.import_module(module_name)
+        original = _original(getattr(module, attr, None))
+        params = list(inspect.signature(original).parameters) if callable(original) else None
+        if params != _SETUP_PARAMS:
+            raise RuntimeError(
+                f"torch {torch.__version__} has no {module_name}.{attr}(storage, checkpoint_id, reader), where "
+                "dcp.save and dcp.load choose their storage; pass storage_writer=/storage_reader= "
+                "(dcp_cloud.writer_for / reader_for) or use a torch inside the range dcp_cloud declares"
+            )
+        sites.append((module, attr, _RoutedSetup(original, choose)))
+    for module_name, attr in _ASYNC_SITES:
+        module = importlib.import_module(module_name)
+        original = _original(getattr(module, attr, None))
+        params = inspect.signature(original).parameters if callable(original) else {}
+        if "checkpoint_id" not in params or "storage_writer" not in params:
+            raise RuntimeError(
+                f"torch {torch.__version__}'s {module_name}.{attr} takes no checkpoint_id/storage_writer; "
+                "pass storage_writer= (dcp_cloud.writer_for) or use a torch inside the range dcp_cloud declares"
+            )
+        sites.append((module, attr, _RoutedAsyncSave(original, choose)))
+    for module, attr, routed in sites:
+        setattr(module, attr, routed)
+
+
+def unroute_storage_setup() -> None:
+    """Give torch back its own ``_storage_setup`` (nothing if it was not routed)."""
+    import importlib
+
+    for module_name, attr in _SETUP_SITES + _ASYNC_SITES:
+        module = importlib.import_module(module_name)
+        current = getattr(module, attr, None)
+        if isinstance(current, _ROUTED):
+            setattr(module, attr, current.original)
+
+
+def storage_routed() -> bool:
+    """Whether every site is routed now."""
+    import importlib
+
+    return all(
+        isinstance(getattr(importlib.import_module(m), a, None), _ROUTED) for m, a in _SETUP_SITES + _ASYNC_SITES
     )

@@ -188,6 +188,13 @@ def _check_config(scheme: str, config: Any) -> None:
         )
 
 
+def config_scheme(config: Any) -> str | None:
+    """The scheme whose locations take ``config`` (``"s3"`` for an S3Config...), None for anything else."""
+    if not _is_store_config(config):
+        return None
+    return next(scheme for scheme, name in _CONFIG_CLASS.items() if type(config).__name__ == name)
+
+
 def _is_store_config(config: Any) -> bool:
     from ..store.azure.config import AzureConfig
     from ..store.gcs.config import GCSConfig
