@@ -15,7 +15,6 @@ from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader
 from .dcp.device.staging import StagingConfig, free_staging_pool
 from .dcp.factory import reader_for, writer_for
 from .dcp.load.reader import CloudReader
-from .dcp.routing import install, install_from_environment, uninstall
 from .dcp.save.writer import CloudWriter
 from .dcp.typed import load, save, typed_errors
 from .errors import (
@@ -47,6 +46,7 @@ from .errors import (
     UnsupportedOperationError,
 )
 from .format.safepickle import trust_metadata_classes
+from .integrations.routing import install, install_from_environment, uninstall
 from .maintenance import (
     CheckpointInfo,
     CopyReport,

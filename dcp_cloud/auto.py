@@ -4,6 +4,6 @@ frameworks that take a module to import rather than code to run."""
 
 from __future__ import annotations
 
-from .dcp.routing import install
+from .integrations.routing import install
 
 install()

@@ -6,7 +6,7 @@ up: ``errors`` and ``config``; ``store/`` (knows nothing of checkpoints) and ``u
 ``store/azure`` whether a container name is valid); ``transfer/`` (moves bytes); ``format/`` (the on-store
 contract); ``planner/`` (pure); ``locations/`` (a URI and its cloud's options become a store); ``dcp/``
 (the DCP adapter: ``device/`` below ``save/`` and ``load/``, which do not import each other); then
-``run/``, ``maintenance/``, ``safetensors/``, ``cli/``, ``testing/``.
+``run/``, ``maintenance/``, ``safetensors/``, ``integrations/``, ``cli/``, ``testing/``.
 A cycle is looked for among the imports that run when a module is imported (not those in functions or
 under ``TYPE_CHECKING``).
 """
@@ -48,7 +48,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "dcp_cloud.dcp.save": ("dcp_cloud.dcp.load",),
     "dcp_cloud.dcp.load": ("dcp_cloud.dcp.save",),
     "dcp_cloud.dcp.device": ("dcp_cloud.dcp.save", "dcp_cloud.dcp.load"),
+    # Integrations (the switch for dcp.save's checkpoint_id, the fsspec filesystem) sit on top of the
+    # adapter and the stores; nothing below them knows they exist.
+    "dcp_cloud.integrations": ("dcp_cloud.run", "dcp_cloud.maintenance", "dcp_cloud.cli", "dcp_cloud.testing"),
 }  # fmt: skip
+for _below in ("dcp_cloud.store", "dcp_cloud.transfer", "dcp_cloud.format", "dcp_cloud.planner",
+               "dcp_cloud.locations", "dcp_cloud.dcp", "dcp_cloud.run", "dcp_cloud.maintenance",
+               "dcp_cloud.safetensors"):  # fmt: skip
+    FORBIDDEN[_below] = (*FORBIDDEN.get(_below, ()), "dcp_cloud.integrations")
 
 #: package -> the only dcp_cloud packages and modules it may import (besides its own).
 ONLY: dict[str, tuple[str, ...]] = {

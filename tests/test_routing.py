@@ -24,8 +24,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, sta
 
 import dcp_cloud
 from dcp_cloud import ConfigError, DcpCloudError, GCSConfig, InvalidURIError, S3Config
-from dcp_cloud.dcp import routing
 from dcp_cloud.format.layout import META_ATTR, load_metadata
+from dcp_cloud.integrations import routing
 from dcp_cloud.testing.multirank import run_ranks, run_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -141,7 +141,7 @@ def test_a_changed_torch_seam_is_an_error_and_changes_nothing(monkeypatch: pytes
 
 def test_the_environment_variable_installs_it() -> None:
     code = (
-        "import dcp_cloud; from dcp_cloud.dcp import routing; "
+        "import dcp_cloud; from dcp_cloud.integrations import routing; "
         "r = routing.installed(); print(r is not None, r and r.local)"
     )
     env = {**os.environ, routing.INSTALL_ENV: "local"}

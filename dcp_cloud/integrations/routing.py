@@ -18,10 +18,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..dcp.factory import reader_for, writer_for
 from ..errors import ConfigError, DcpCloudError, InvalidURIError
 from ..format import torchprivate
 from ..locations import SCHEMES, StoreConfig, config_scheme, scheme_of
-from .factory import reader_for, writer_for
+from . import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ _lock = threading.Lock()
 _installed: Routing | None = None
 
 
-def install(*configs: StoreConfig, local: bool = False) -> None:
+def install(*configs: StoreConfig, local: bool = False, filesystems: bool = True) -> None:
     """Route ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with a cloud ``checkpoint_id`` and no storage
     writer or reader through dcp_cloud's writers and readers (process-wide; each rank calls it, or sets
     ``DCP_CLOUD_INSTALL=1``).
@@ -81,7 +82,10 @@ def install(*configs: StoreConfig, local: bool = False) -> None:
     ``configs``: at most one :class:`~dcp_cloud.S3Config`, :class:`~dcp_cloud.GCSConfig` and
     :class:`~dcp_cloud.AzureConfig`, used for the URIs of their cloud (without one, the environment's
     endpoint, region and credentials). ``local=True`` routes ``file://`` and plain paths to
-    :class:`~dcp_cloud.LocalWriter` / :class:`~dcp_cloud.LocalReader` too. Calling it again replaces the
+    :class:`~dcp_cloud.LocalWriter` / :class:`~dcp_cloud.LocalReader` too. ``filesystems`` also serves fsspec's
+    ``s3``, ``gs``/``gcs`` and ``az`` protocols with dcp_cloud's stores (:mod:`~dcp_cloud.integrations.filesystem`),
+    so a framework's path operations next to its checkpoints (exists, listing, deleting old steps) work
+    without s3fs, gcsfs or adlfs and with the same configs. Calling it again replaces the
     routing; :func:`uninstall` gives torch its own choice back. Raises ConfigError for a config that is
     not a store config or is given twice, and DcpCloudError if this torch chooses storage elsewhere."""
     global _installed
@@ -99,6 +103,9 @@ def install(*configs: StoreConfig, local: bool = False) -> None:
             torchprivate.route_storage_setup(routing.choose)
         except RuntimeError as exc:
             raise DcpCloudError(str(exc)) from exc
+        filesystem.unregister()
+        if filesystems:
+            filesystem.register(by_scheme)
         _installed = routing
 
 
@@ -107,6 +114,7 @@ def uninstall() -> None:
     global _installed
     with _lock:
         torchprivate.unroute_storage_setup()
+        filesystem.unregister()
         _installed = None
 
 
