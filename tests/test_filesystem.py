@@ -126,9 +126,11 @@ def test_entry_points_and_the_switch(s3_bucket: str) -> None:
     assert fsspec.open(f"s3://{s3_bucket}/k", "rb").open().read() == b"v"
     dcp_cloud.install(filesystems=False)
     assert not issubclass(_served_or_none("s3"), S3FileSystem)
-    dcp_cloud.install()
+    dcp_cloud.install(S3Config(part_limits=MOTO_LIMITS))
     dcp_cloud.uninstall()
     assert not issubclass(_served_or_none("s3"), S3FileSystem)
+    # uninstall also drops the default config install() gave dcps3:// (an entry point serves it again)
+    assert get_filesystem_class("dcps3") is S3FileSystem
 
 
 def _served_or_none(protocol: str) -> Any:

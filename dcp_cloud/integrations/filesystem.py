@@ -333,10 +333,13 @@ def register(configs: dict[str, StoreConfig] | None = None, *, stock: bool = Tru
 
 
 def unregister() -> None:
-    """Give the stock protocol names back to what served them before :func:`register`."""
+    """Give the stock protocol names back to what served them before :func:`register`, and ``dcps3``,
+    ``dcpgs``, ``dcpaz`` back to the filesystems above with no default config."""
     import fsspec
     from fsspec.registry import _registry
 
+    for name, scheme in PROTOCOLS.items():
+        fsspec.register_implementation(name, _CLASSES[scheme], clobber=True)
     for name, previous in list(_replaced.items()):
         if previous is None or isinstance(previous, str):
             # fsspec's public registration cannot remove a class; without it fsspec falls back to its
