@@ -16,7 +16,7 @@ from dcp_cloud import ChecksumMismatchError, LocalReader, LocalWriter, TransferC
 from dcp_cloud.config import cpu_share
 from dcp_cloud.dcp.load.readcheck import CHECK_STEP, ReadVerifier
 from dcp_cloud.store.local import LocalStore
-from dcp_cloud.store.localfs import LOCAL_FILESYSTEMS, filesystem_type
+from dcp_cloud.store.local.mounts import LOCAL_FILESYSTEMS, filesystem_type
 
 MiB = 1024 * 1024
 

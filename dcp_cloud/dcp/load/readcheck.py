@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import ChecksumMismatchError
 from ...format.checksum import bad_blocks, slice_pieces, verify_blocks
 from ...format.layout import ItemExtras
-from ...store.localfs import take_views
+from ...store.local.files import take_views
 from ...store.protocol import ObjectStore
 from ...transfer.stats import StatsRecorder
 from .prediction import Guess
