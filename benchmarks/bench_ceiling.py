@@ -45,7 +45,8 @@ PART_MB = 16
 _CHILD = r"""
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
-from dcp_cloud.store.s3.lean import LeanS3Client, LeanSettings
+from dcp_cloud.store.s3.clientsetup import LeanSettings
+from dcp_cloud.store.s3.lean import LeanS3Client
 
 op, conc, object_mb, total_mb, tag = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 settings = LeanSettings(os.environ["AWS_ENDPOINT_URL"], "us-east-1", True, os.environ.get("AWS_CA_BUNDLE"))

@@ -20,8 +20,9 @@ import pytest
 
 from dcp_cloud.errors import ConfigError, ObjectNotFoundError
 from dcp_cloud.store.s3 import S3Config, S3Store
+from dcp_cloud.store.s3.clientsetup import lean_settings
 from dcp_cloud.store.s3.headers import HEADERS, RequestOptions, wire_headers
-from dcp_cloud.store.s3.lean import LeanS3Client, lean_settings
+from dcp_cloud.store.s3.lean import LeanS3Client
 from dcp_cloud.store.s3.sigv4 import Credentials, payload_sha256, sign
 
 # -- SigV4 against botocore's signer ----------------------------------------------------------------

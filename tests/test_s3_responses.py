@@ -166,7 +166,7 @@ def test_endpoint_answering_a_web_page_raises_instead_of_listing_nothing(
 
 
 def test_listing_page_that_holds_more_than_was_read_is_refused() -> None:
-    from dcp_cloud.store.s3.store import _check_page
+    from dcp_cloud.store.s3.listing import _check_page
 
     _check_page({"Name": "b", "IsTruncated": False, "KeyCount": 2}, 2, "s3://b/run/")
     with pytest.raises(StoreError, match="2 key"):

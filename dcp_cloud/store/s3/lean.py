@@ -1,15 +1,11 @@
 """LeanS3Client: the S3 requests a checkpoint makes, over urllib3, without building a botocore client.
 
-Why it exists: a fresh process pays for its first botocore client with
-0.2-0.4 s of CPU (the S3 service model and endpoint rules parsed from JSON,
-hundreds of event handlers registered), and the ~50,000 objects it leaves
-behind tip Python into a full garbage collection of the whole torch heap
-(another 0.15-0.3 s). Every rank of a job pays both before its first byte
-moves; on small shards that is most of a save or load. botocore also runs
-its event chain on every request and waits a round trip for
-``100-continue`` before every upload body. This client signs with SigV4
-itself (:mod:`.sigv4`) and sends on a urllib3 pool: about a millisecond to
-build.
+Why it exists: a fresh process pays for its first botocore client in CPU time (the S3 service model and
+endpoint rules parsed from JSON, its event handlers registered), and the objects it leaves behind can tip
+Python into a full garbage collection of the whole torch heap. Every rank of a job pays both before its
+first byte moves, which on small shards can be most of a save or load. botocore also runs its event chain
+on every request and waits a round trip for ``100-continue`` before every upload body. This client signs
+with SigV4 itself (:mod:`.sigv4`) and sends on a urllib3 pool, with nothing to parse when it is built.
 
 It speaks botocore's dialect, so the store and its one error-translation
 function treat both clients alike: the same method names and keyword
@@ -21,7 +17,7 @@ A keyword argument it has no header for raises ConfigError rather than go
 unsent; the headers come from :mod:`.headers`, the table the store builds
 botocore's keywords from.
 
-Which client a store uses is :attr:`S3Config.client`; see :func:`lean_settings`.
+Which client a store uses is :attr:`S3Config.client`; see :func:`.clientsetup.lean_settings`.
 """
 
 from __future__ import annotations
@@ -29,82 +25,25 @@ from __future__ import annotations
 import base64
 import email.utils
 import hashlib
-import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 from xml.sax.saxutils import escape
 
 from ..warmup import warm_pool
-from .config import S3Config
+from .clientsetup import LeanSettings, _Credentials
 from .headers import wire_headers
 from .s3xml import _XMLNS, parse_complete, parse_delete, parse_error, parse_initiate, parse_list_v2
 from .sigv4 import (
     EMPTY_SHA256,
     UNSIGNED_PAYLOAD,
-    Credentials,
     canonical_query,
     payload_sha256,
     sign,
     uri_encode_path,
 )
-
-#: Environment variables under which botocore would route through a proxy (the lean client does not).
-_PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
-
-
-@dataclass(frozen=True)
-class LeanSettings:
-    """Everything the lean client needs that is not a credential."""
-
-    endpoint_url: str
-    region: str
-    path_style: bool
-    ca_bundle: str | None
-
-
-def _endpoint_from_env() -> str | None:
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
-        return None
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-def lean_settings(config: S3Config) -> LeanSettings | None:
-    """The lean client's settings, or None where the store should build a botocore client.
-
-    ``client="botocore"`` always gives None. ``"auto"`` (the default) takes the
-    lean client where its behaviour is botocore's without reading
-    ``~/.aws/config``: an endpoint given in the config or the environment
-    (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), no named profile, and no
-    proxy variables. ``"lean"`` takes it wherever it can: on AWS itself the
-    endpoint is ``https://s3.<region>.amazonaws.com``.
-    """
-    if config.client == "botocore":
-        return None
-    endpoint = config.endpoint_url or _endpoint_from_env()
-    if config.client == "auto":
-        profile = config.profile or os.environ.get("AWS_PROFILE")
-        if endpoint is None or profile or any(os.environ.get(v) for v in _PROXY_VARS):
-            return None
-    region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    if endpoint is None:
-        endpoint = f"https://s3.{region}.amazonaws.com"
-    host = urlsplit(endpoint).hostname or ""
-    path_style = config.addressing_style == "path" or (config.addressing_style == "auto" and _is_ip(host))
-    return LeanSettings(endpoint.rstrip("/"), region, path_style, os.environ.get("AWS_CA_BUNDLE") or None)
-
-
-def _is_ip(host: str) -> bool:
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-            return True
-        except OSError:
-            continue
-    return False
 
 
 def _dns_bucket(bucket: str, tls: bool) -> bool:
@@ -112,34 +51,6 @@ def _dns_bucket(bucket: str, tls: bool) -> bool:
     if not 3 <= len(bucket) <= 63 or bucket.lower() != bucket or (tls and "." in bucket):
         return False
     return all(part and part[0].isalnum() and part[-1].isalnum() for part in bucket.split("."))
-
-
-class _Credentials:
-    """Static keys from the environment when present; otherwise botocore's provider chain (built once)."""
-
-    def __init__(self, profile: str | None) -> None:
-        self._profile = profile
-        self._lock = threading.Lock()
-        self._static: Credentials | None = None
-        self._provider: Any = None
-        key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
-        if profile is None and key and secret:
-            self._static = Credentials(key, secret, os.environ.get("AWS_SESSION_TOKEN") or None)
-
-    def get(self) -> Credentials:
-        if self._static is not None:
-            return self._static
-        with self._lock:
-            if self._provider is None:
-                import botocore.session
-                from botocore.exceptions import NoCredentialsError
-
-                provider = botocore.session.Session(profile=self._profile).get_credentials()
-                if provider is None:
-                    raise NoCredentialsError()
-                self._provider = provider
-        frozen = self._provider.get_frozen_credentials()
-        return Credentials(frozen.access_key, frozen.secret_key, frozen.token)
 
 
 class _Body:

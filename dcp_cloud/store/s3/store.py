@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,14 +13,15 @@ from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
 from ..clients import shared_client
 from ..payload import Payload, ScatterReader, payload_crc32c, payload_size, payload_views
 from ..payload import out_view as _out_view
-from ..protocol import ObjectInfo, PartInfo, PartLimits, PendingUpload, StoreCapabilities
+from ..protocol import ObjectInfo, PartInfo, PartLimits, StoreCapabilities
 from ..rawbody import read_ranged_body
-from .botoclient import make_botocore_client
+from .clientsetup import lean_settings, make_botocore_client
 from .config import S3Config, _require
 from .copy import copy_object
 from .errors import _s3_url, _translate
 from .headers import RequestOptions
-from .lean import LeanS3Client, lean_settings
+from .lean import LeanS3Client
+from .listing import _S3Listings
 from .responses import _etag, _server_time, _timestamp
 
 MiB = 1024 * 1024
@@ -50,28 +51,7 @@ def _crc_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
 
 
-def _check_page(page: dict[str, Any], found: int, where: str) -> None:
-    """Refuse a listing page that says it holds more than was read from it, or that is no listing at all
-    (botocore parses any XML, or an HTML page, into an empty page): never an empty result by mistake."""
-    if not any(name in page for name in ("Name", "IsTruncated", "KeyCount")):
-        raise StoreError(
-            f"the S3 endpoint answered a listing of {where}* with something that is not a ListObjectsV2 answer: "
-            "check that the endpoint URL points at an S3 API (not a web page or a proxy)"
-        )
-    count = page.get("KeyCount")
-    if isinstance(count, int) and count > found:
-        raise StoreError(
-            f"S3 listed {where}* as {count} key(s) but {found} could be read from the answer: the server's "
-            "listing is not in a form dcp_cloud understands; report the server and its version"
-        )
-    if page.get("IsTruncated") and not page.get("NextContinuationToken"):
-        raise StoreError(
-            f"S3 listed {where}* as truncated without a continuation token: the rest of the listing cannot be "
-            "asked for; report the server and its version"
-        )
-
-
-class S3Store:
+class S3Store(_S3Listings):
     """One S3 bucket. Thread-safe, picklable (the client is rebuilt per process).
 
     ``request_timeout`` bounds connecting and each socket read (seconds);
@@ -304,28 +284,6 @@ class S3Store:
             key, int(response["ContentLength"]), _etag(response.get("ETag")), _timestamp(response.get("LastModified"))
         )
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        try:
-            token: str | None = None
-            while True:
-                kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": self._list_page_size}
-                if token:
-                    kwargs["ContinuationToken"] = token
-                page = self._client().list_objects_v2(**kwargs)
-                contents = page.get("Contents") or ()
-                _check_page(page, len(contents), self.url(prefix))
-                for item in contents:
-                    yield ObjectInfo(
-                        item["Key"], int(item["Size"]), _etag(item.get("ETag")), _timestamp(item.get("LastModified"))
-                    )
-                if not page.get("IsTruncated"):
-                    break
-                token = page["NextContinuationToken"]
-        except DcpCloudError:
-            raise
-        except Exception as exc:
-            raise self._fail(exc, prefix, "list") from exc
-
     def delete(self, keys: Sequence[str]) -> None:
         keys = list(keys)
         for i in range(0, len(keys), _DELETE_BATCH):
@@ -418,25 +376,3 @@ class S3Store:
             raise self._fail(exc, key, "abort the upload of") from exc
         except Exception as exc:
             raise self._fail(exc, key, "abort the upload of") from exc
-
-    def list_multipart(self, prefix: str) -> list[PendingUpload]:
-        found: list[PendingUpload] = []
-        try:
-            pages = (
-                self._full_client()
-                .get_paginator("list_multipart_uploads")
-                .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
-            )
-            for page in pages:
-                if not any(name in page for name in ("Bucket", "IsTruncated", "MaxUploads")):
-                    raise StoreError(
-                        f"the S3 endpoint answered a listing of the uploads under {self.url(prefix)}* with something "
-                        "that is not a ListMultipartUploads answer: check that the endpoint URL points at an S3 API"
-                    )
-                for item in page.get("Uploads", ()):
-                    found.append(PendingUpload(item["Key"], item["UploadId"], _timestamp(item.get("Initiated"))))
-        except DcpCloudError:
-            raise
-        except Exception as exc:
-            raise self._fail(exc, prefix, "list the uploads under") from exc
-        return found
