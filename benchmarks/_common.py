@@ -297,7 +297,7 @@ def open_target(backend: str, workdir: str, s3_server: str = "moto") -> Iterator
         import boto3
         from botocore.config import Config
 
-        from dcp_cloud.testing.moto_server import MotoServer, moto_env
+        from dcp_cloud.testing.servers.moto_server import MotoServer, moto_env
 
         with MotoServer() as server:
             env = moto_env(server, child_env())
@@ -320,7 +320,7 @@ def open_target(backend: str, workdir: str, s3_server: str = "moto") -> Iterator
             make_bucket()
             yield Target("s3", env, BUCKET, clear, f"moto server (pid {server.pid})", {"server_pid": server.pid})
     elif backend == "gcs":
-        from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
+        from dcp_cloud.testing.servers.gcs_emulator import GCSEmulator, gcs_env
 
         with GCSEmulator() as emu:
             env = child_env()

@@ -1,4 +1,4 @@
-"""s3rver (the npm S3 emulator) as a benchmark server: dcp_cloud.testing.s3rver, re-exported.
+"""s3rver (the npm S3 emulator) as a benchmark server: dcp_cloud.testing.servers.s3rver, re-exported.
 
 moto reads a whole object for every ranged GET and runs in the client's
 Python; s3rver (Node) serves ranges from a file stream at a cost proportional
@@ -15,6 +15,15 @@ Credentials are s3rver's fixed ``S3RVER`` / ``S3RVER``.
 
 from __future__ import annotations
 
-from dcp_cloud.testing.s3rver import ACCESS_KEY, SECRET_KEY, VERSION, S3rver, cache_dir, client, empty_bucket, install
+from dcp_cloud.testing.servers.s3rver import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    VERSION,
+    S3rver,
+    cache_dir,
+    client,
+    empty_bucket,
+    install,
+)
 
 __all__ = ["ACCESS_KEY", "SECRET_KEY", "VERSION", "S3rver", "cache_dir", "client", "empty_bucket", "install"]

@@ -307,7 +307,7 @@ def _s3_server(workdir: str) -> Any:
     try:
         from _s3rver import S3rver
 
-        from dcp_cloud.testing.s3rver import missing_reason
+        from dcp_cloud.testing.servers.s3rver import missing_reason
 
         reason = missing_reason()
         if reason is not None:

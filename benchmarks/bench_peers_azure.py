@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import _report
     import bench_peers as BP
 
-    from dcp_cloud.testing.azurite import ACCOUNT, Azurite, connection_string
+    from dcp_cloud.testing.servers.azurite import ACCOUNT, Azurite, connection_string
 
     targets, wire, env_info = BP.prepare(args)
     runs: list[dict[str, Any]] = []

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     import _report
     import bench_peers as BP
 
-    from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
+    from dcp_cloud.testing.servers.gcs_emulator import GCSEmulator, gcs_env
 
     targets, wire, env_info = BP.prepare(args)
     runs: list[dict[str, Any]] = []

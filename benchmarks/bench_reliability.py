@@ -90,7 +90,7 @@ def _s3(part: int) -> Iterator[tuple[str, str, dict[str, Any]]]:
     import boto3
 
     from dcp_cloud.store.protocol import PartLimits
-    from dcp_cloud.testing.moto_server import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, MotoServer
+    from dcp_cloud.testing.servers.moto_server import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, MotoServer
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", FAKE_ACCESS_KEY_ID)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", FAKE_SECRET_ACCESS_KEY)
@@ -113,7 +113,7 @@ def _s3(part: int) -> Iterator[tuple[str, str, dict[str, Any]]]:
 
 @contextlib.contextmanager
 def _gcs() -> Iterator[tuple[str, str, dict[str, Any]]]:
-    from dcp_cloud.testing.gcs_emulator import GCSEmulator
+    from dcp_cloud.testing.servers.gcs_emulator import GCSEmulator
 
     with GCSEmulator() as emulator:
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
@@ -123,7 +123,7 @@ def _gcs() -> Iterator[tuple[str, str, dict[str, Any]]]:
 
 def _gcs_available() -> bool:
     try:
-        from dcp_cloud.testing.gcs_emulator import find_fake_gcs_server
+        from dcp_cloud.testing.servers.gcs_emulator import find_fake_gcs_server
 
         find_fake_gcs_server()
         return True

@@ -348,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
 
     import dcp_cloud
-    from dcp_cloud.testing.moto_server import MotoServer, moto_env
-    from dcp_cloud.testing.multirank import run_ranks, run_single
     from dcp_cloud.testing.proxy import FaultProxy
+    from dcp_cloud.testing.ranks.multirank import run_ranks, run_single
+    from dcp_cloud.testing.servers.moto_server import MotoServer, moto_env
 
     block_kib = args.checksum_block_kib or dcp_cloud.TransferConfig().checksum_block_size // 1024
     gap_kib = dcp_cloud.TransferConfig().reshard_gap // 1024 if args.reshard_gap_kib is None else args.reshard_gap_kib

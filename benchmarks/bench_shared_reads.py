@@ -103,10 +103,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import dcp_cloud
-    from dcp_cloud.testing.moto_server import MotoServer, moto_env
-    from dcp_cloud.testing.multirank import run_ranks
     from dcp_cloud.testing.proxy import FaultProxy, Shaping
+    from dcp_cloud.testing.ranks.multirank import run_ranks
     from dcp_cloud.testing.s3_fixtures import moto_client
+    from dcp_cloud.testing.servers.moto_server import MotoServer, moto_env
 
     shaping = Shaping(latency=args.latency, bandwidth=args.bandwidth)
     rows: list[dict[str, Any]] = []

@@ -176,7 +176,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     """A fresh bucket on one backend ("s3": moto server, "gcs": fake-gcs-server, "azure": Azurite), env pointed
     at it."""
     if request.param == "s3":
-        from dcp_cloud.testing.moto_server import moto_env
+        from dcp_cloud.testing.servers.moto_server import moto_env
 
         server = request.getfixturevalue("moto_server")
         bucket = request.getfixturevalue("s3_bucket")  # also sets this process's AWS_* env
@@ -232,7 +232,7 @@ def assert_same() -> Any:
 def _persistent_worlds(request: pytest.FixtureRequest) -> Any:
     """The session's multi-rank tests share spawned gloo worlds, one per size (``run_ranks``), instead of
     spawning one per call; each call still starts as a fresh rank would, and a failure replaces its world."""
-    from dcp_cloud.testing.multirank import persistent_worlds
+    from dcp_cloud.testing.ranks.multirank import persistent_worlds
 
     if os.environ.get("DCP_CLOUD_FRESH_WORLDS") == "1":  # every call in new processes, as a user's suite runs
         yield None

@@ -177,7 +177,7 @@ def test_warming_an_unreachable_endpoint_neither_raises_nor_blocks(
             store = S3Store("bucket", S3Config(endpoint_url=endpoint), request_timeout=60.0)
         elif backend == "azure":
             from dcp_cloud.store.azure import AzureConfig, AzureStore
-            from dcp_cloud.testing.azurite import KEY
+            from dcp_cloud.testing.servers.azurite import KEY
 
             monkeypatch.setenv("AZURE_STORAGE_KEY", KEY)
             store = AzureStore("bucket", AzureConfig(endpoint=f"{endpoint}/devstoreaccount1"), request_timeout=60.0)

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 K = 4  # steps before the checkpoint
 J = 4  # steps after it

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_cloud.testing.multirank import run_ranks, run_single
+from dcp_cloud.testing.ranks.multirank import run_ranks, run_single
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

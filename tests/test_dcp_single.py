@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcp_cloud
 from dcp_cloud import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -370,7 +370,7 @@ def test_writer_and_reader_pickle_without_clients(backend, monkeypatch: pytest.M
     if backend.name == "s3":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any key
     if backend.name == "azure":
-        from dcp_cloud.testing.azurite import KEY as secret  # Azurite checks its one key
+        from dcp_cloud.testing.servers.azurite import KEY as secret  # Azurite checks its one key
     uri = backend.uri("pickled")
     writer = backend.writer(uri)
     state = {"w": torch.randn(8, 4)}

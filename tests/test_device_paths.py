@@ -29,7 +29,7 @@ from dcp_cloud import DeviceCopyError, LocalReader, LocalWriter, StagingConfig, 
 from dcp_cloud.dcp.device import devicering, pinledger, staging
 from dcp_cloud.dcp.device.devicering import Mover, route_cpu
 from dcp_cloud.dcp.load.handover import bounded_pieces
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

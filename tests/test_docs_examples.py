@@ -10,7 +10,7 @@ An HTML comment on the line above a block (invisible in the rendered page) chang
 
 * ``<!-- docs-test: skip REASON -->``: not executed. Every such block is counted in
   :data:`EXPECTED_SKIPS`, so one more cannot appear without a change to this file.
-* ``<!-- docs-test: ranks=N setup=NAME -->``: run on N gloo ranks by ``dcp_cloud.testing.multirank``,
+* ``<!-- docs-test: ranks=N setup=NAME -->``: run on N gloo ranks by ``dcp_cloud.testing.ranks.multirank``,
   each rank in a fresh namespace prepared by the setup NAME of :data:`SETUPS` (``setup=`` without
   ``ranks=`` prepares the page's own namespace).
 * ``<!-- docs-test: check=NAME -->``: after the block, the check NAME of :data:`CHECKS` runs in its
@@ -51,7 +51,7 @@ import pytest
 from docs_loads import Block as LoadBlock
 from docs_loads import LoadCall, LoadRecorder, load_problems
 
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose blocks are records of measurements, not examples.

@@ -37,9 +37,9 @@ import pytest
 import torch
 
 from dcp_cloud import RetryConfig
-from dcp_cloud.testing.multirank import run_ranks
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
 from dcp_cloud.testing.proxy.faults import RequestInfo
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

@@ -26,8 +26,8 @@ from dcp_cloud import RetryConfig, TransferConfig
 from dcp_cloud.errors import TransientStoreError
 from dcp_cloud.store.protocol import PartLimits
 from dcp_cloud.store.retry import RetryHooks, RetryingStore
-from dcp_cloud.testing.moto_server import MotoServer, moto_env
 from dcp_cloud.testing.proxy import FAULT_KINDS, FaultPlan, FaultProxy, ProxyStats, RequestInfo
+from dcp_cloud.testing.servers.moto_server import MotoServer, moto_env
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -49,7 +49,7 @@ STALL_S = 30.0
 RATE = 0.05
 
 try:
-    from dcp_cloud.testing.gcs_emulator import EmulatorError, find_fake_gcs_server
+    from dcp_cloud.testing.servers.gcs_emulator import EmulatorError, find_fake_gcs_server
 
     find_fake_gcs_server()
     BACKENDS = ["s3", "gcs", "azure"]
@@ -108,7 +108,7 @@ class Target:
 
 def _azure_endpoint(url: str | None) -> str | None:
     """The development account's endpoint at ``url`` (Azurite, or the proxy in front of it)."""
-    from dcp_cloud.testing.azurite import ACCOUNT
+    from dcp_cloud.testing.servers.azurite import ACCOUNT
 
     return None if url is None else f"{url}/{ACCOUNT}"
 
@@ -160,13 +160,13 @@ def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
             for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
                 monkeypatch.delenv(var, raising=False)
         elif request.param == "azure":
-            from dcp_cloud.testing.azurite import connection_string
+            from dcp_cloud.testing.servers.azurite import connection_string
 
             for var in [v for v in os.environ if v.startswith("AZURE_STORAGE_")]:
                 monkeypatch.delenv(var)
             env = {"AZURE_STORAGE_CONNECTION_STRING": connection_string(_azure_endpoint(proxy.url))}
         else:
-            from dcp_cloud.testing.gcs_emulator import gcs_env
+            from dcp_cloud.testing.servers.gcs_emulator import gcs_env
 
             env = dict(gcs_env(emulator), STORAGE_EMULATOR_HOST=proxy.url)
         for var, value in env.items():
@@ -491,7 +491,7 @@ def _rank_load(rank: int, world_size: int, name: str, uri: str) -> dict[str, Any
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["s3"], indirect=True)
 def test_four_rank_save_and_three_rank_load_under_mixed_faults(target: Target) -> None:
-    from dcp_cloud.testing.multirank import run_ranks
+    from dcp_cloud.testing.ranks.multirank import run_ranks
 
     uri = target.uri("ranks")
     target.proxy.set_plan(_plan("mixed", seed=7))

@@ -26,8 +26,8 @@ from dcp_cloud import (
     S3Reader,
     S3Writer,
 )
-from dcp_cloud.testing.multirank import run_ranks
 from dcp_cloud.testing.proxy import FaultProxy, Shaping
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 FROZEN = (1024, 1024)  # 4 MiB fp32: the "base model"
 

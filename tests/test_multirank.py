@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_cloud.testing.multirank import RankFailedError, persistent_worlds, run_ranks, run_single
+from dcp_cloud.testing.ranks.multirank import RankFailedError, persistent_worlds, run_ranks, run_single
 
 pytestmark = pytest.mark.multirank
 

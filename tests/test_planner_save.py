@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio, _create_write_item_for_tensor
 
 from dcp_cloud.planner.save import BalancedSavePlanner, ReplicaMismatchError, _key, _nbytes, balance_replicated
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 MiB = 1024 * 1024
 

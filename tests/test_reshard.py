@@ -32,7 +32,7 @@ import torch
 
 from dcp_cloud import TransferConfig
 from dcp_cloud.dcp.load.readplan import FRAMING_GAP
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 BLOCK = TransferConfig().checksum_block_size  # checkpoints here are saved with the defaults
 RATIO = TransferConfig().coalesce_ratio
@@ -214,7 +214,7 @@ def _report(label: str, results: list[dict[str, Any]]) -> float:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, moto_server: Any, moto_s3_client: Any) -> dict[str, Any]:
     """Checkpoints saved once for the module: 2-rank (ours + a stock copy uploaded as-is) and 4-rank."""
-    from dcp_cloud.testing.moto_server import moto_env
+    from dcp_cloud.testing.servers.moto_server import moto_env
 
     moto_server.reset()
     bucket = "reshard-module"

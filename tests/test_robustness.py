@@ -22,7 +22,7 @@ from dcp_cloud import (
     S3Writer,
     TransferConfig,
 )
-from dcp_cloud.testing.multirank import RankFailedError, run_ranks
+from dcp_cloud.testing.ranks.multirank import RankFailedError, run_ranks
 from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, MOTO_PART_LIMITS
 
 SECRET = "SeCrEt-do-not-log-0123456789abcdefghijklmn"

@@ -26,7 +26,7 @@ import dcp_cloud
 from dcp_cloud import ConfigError, DcpCloudError, GCSConfig, InvalidURIError, S3Config
 from dcp_cloud.format.layout import META_ATTR, load_metadata
 from dcp_cloud.integrations import routing
-from dcp_cloud.testing.multirank import run_ranks, run_single
+from dcp_cloud.testing.ranks.multirank import run_ranks, run_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

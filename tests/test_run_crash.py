@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_cloud.testing.multirank import RankFailedError, run_ranks, run_single
+from dcp_cloud.testing.ranks.multirank import RankFailedError, run_ranks, run_single
 from dcp_cloud.testing.tripwire import Tripwire
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

@@ -28,7 +28,7 @@ from dcp_cloud.store.s3.s3xml import (
     parse_initiate,
     parse_list_v2,
 )
-from dcp_cloud.testing.moto_server import _free_port
+from dcp_cloud.testing.servers.moto_server import _free_port
 
 NAMESPACES = [
     ' xmlns="http://s3.amazonaws.com/doc/2006-03-01/"',  # AWS

@@ -21,7 +21,7 @@ import pytest
 import safetensors  # noqa: F401 - the reference reader (in the testing extra): a broken install fails here
 import torch
 
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -241,7 +241,7 @@ def test_export_memory_is_the_budget_not_the_tensor(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     from dcp_cloud import LocalWriter
-    from dcp_cloud.testing.multirank import run_single
+    from dcp_cloud.testing.ranks.multirank import run_single
 
     big = torch.randn(32 * 1024 * 1024)  # 128 MiB
     dcp.save({"w": big}, storage_writer=LocalWriter(str(tmp_path / "ck")), no_dist=True)

@@ -29,7 +29,7 @@ from dcp_cloud import (
     UnsupportedCheckpointError,
     export_safetensors,
 )
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 
 def _load(state: dict[str, Any], reader: SafetensorsReader, partial: bool = False) -> None:
@@ -356,8 +356,8 @@ def test_one_ranks_failure_ends_every_rank_within_its_file(moto_server: Any, s3_
     ranks raise after the first round, rank 0 the error of rank 1; rank 0's upload of file 3 is aborted:
     only file 1 is left, no multipart upload, no index."""
     from dcp_cloud.store.s3 import S3Store
-    from dcp_cloud.testing.moto_server import moto_env
     from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+    from dcp_cloud.testing.servers.moto_server import moto_env
 
     ck = f"s3://{s3_bucket}/ck"
     state = {f"w{i}": torch.full((4 * 1024 * 1024,), float(i)) for i in range(4)}  # 16 MiB each: 4 parts

@@ -24,8 +24,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dcp_cloud.planner.readshare import plan_sharing
-from dcp_cloud.testing.multirank import run_ranks
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 TIMEOUT = 180.0
 DDP = {f"layers.{i}.weight": (256, 512) for i in range(8)}  # 8 x 512 KiB fp32

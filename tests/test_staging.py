@@ -226,6 +226,6 @@ def _fsdp_async_saves(rank: int, world_size: int, root: str) -> bool:
 
 
 def test_fsdp_dtensor_state_is_staged_by_local_shard(tmp_path: Path) -> None:
-    from dcp_cloud.testing.multirank import run_ranks
+    from dcp_cloud.testing.ranks.multirank import run_ranks
 
     assert run_ranks(2, _fsdp_async_saves, str(tmp_path), timeout=300) == [True, True]

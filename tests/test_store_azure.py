@@ -30,8 +30,8 @@ from dcp_cloud.store.azure.auth import Bearer, Sas, SharedKey, resolve, shared_k
 from dcp_cloud.store.azure.blocks import block_id, parse_block_id
 from dcp_cloud.store.azure.errors import AzureHTTPError
 from dcp_cloud.store.retry import RetryingStore
-from dcp_cloud.testing.azurite import ACCOUNT, KEY, Azurite
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+from dcp_cloud.testing.servers.azurite import ACCOUNT, KEY, Azurite
 from dcp_cloud.uri import parse_uri, split_azure_url
 
 MiB = 1024 * 1024

@@ -36,8 +36,8 @@ from dcp_cloud.errors import (
 )
 from dcp_cloud.store.gcs import PARTS_MARKER, GCSConfig, GCSStore, _translate
 from dcp_cloud.store.protocol import ObjectStore
-from dcp_cloud.testing.gcs_emulator import GCSEmulator, gcs_env
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy, RequestInfo
+from dcp_cloud.testing.servers.gcs_emulator import GCSEmulator, gcs_env
 
 
 def raw_names(store: GCSStore) -> list[str]:
@@ -886,7 +886,7 @@ def test_emulator_process_is_gone_after_stop() -> None:
 
 def test_emulator_dies_with_the_process_that_started_it(tmp_path) -> None:
     """PR_SET_PDEATHSIG: a test process killed with SIGKILL takes its server along."""
-    import dcp_cloud.testing.gcs_emulator as module
+    import dcp_cloud.testing.servers.gcs_emulator as module
 
     code = (
         "import importlib.util, sys, time\n"

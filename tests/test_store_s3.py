@@ -34,8 +34,8 @@ from dcp_cloud.errors import (
     TransientStoreError,
 )
 from dcp_cloud.store.s3 import S3_PART_LIMITS, S3Config, S3Store, _translate
-from dcp_cloud.testing.moto_server import MotoServer, MotoServerError, moto_env
 from dcp_cloud.testing.s3_fixtures import MOTO_PART_LIMITS, moto_client
+from dcp_cloud.testing.servers.moto_server import MotoServer, MotoServerError, moto_env
 
 SECRET = "s3cr3t-Do-Not-Leak-0123456789abcdef"
 
@@ -783,7 +783,7 @@ def test_moto_server_dies_with_a_killed_owner() -> None:
     import subprocess
     import sys
 
-    import dcp_cloud.testing.moto_server as module
+    import dcp_cloud.testing.servers.moto_server as module
 
     # The owner loads moto_server.py by path: importing the dcp_cloud package would pull in torch.
     script = (

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from dcp_cloud import RetryConfig, S3Config
-from dcp_cloud.testing.multirank import RankFailedError, run_ranks
 from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
+from dcp_cloud.testing.ranks.multirank import RankFailedError, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -219,7 +219,7 @@ def test_one_nodes_tier_that_cannot_take_a_step_fails_every_rank_soon(tmp_path: 
 def test_a_peer_that_dies_while_copying_ends_the_other_ranks_soon(tmp_path: Path, monkeypatch: Any) -> None:
     import re
 
-    from dcp_cloud.testing import multirank
+    from dcp_cloud.testing.ranks import multirank
 
     monkeypatch.setattr(multirank, "FAILURE_GRACE_S", BOUND)  # how long the survivors have, once rank 1 died
     with pytest.raises(RankFailedError) as failed:

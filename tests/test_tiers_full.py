@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from dcp_cloud import RetryConfig
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 from dcp_cloud.testing.required import server_unavailable
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

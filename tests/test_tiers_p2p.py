@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dcp_cloud.testing.multirank import RankFailedError, run_ranks
+from dcp_cloud.testing.ranks.multirank import RankFailedError, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -203,7 +203,7 @@ def _load(path: Path) -> Any:
 
 
 def test_files_move_both_ways_and_every_failure_reaches_every_rank(tmp_path: Path, monkeypatch: Any) -> None:
-    from dcp_cloud.testing import multirank
+    from dcp_cloud.testing.ranks import multirank
 
     # Once rank 0 died, the others have the whole test's time to report (not the harness's few seconds): no timer
     # ends their wait sooner (move_files waits without one, gloo's is half an hour), so a survivor that reports

@@ -29,7 +29,7 @@ import dcp_cloud
 from dcp_cloud import ConfigError, TransferConfig
 from dcp_cloud.dcp.load.readplan import FRAMING_GAP
 from dcp_cloud.planner.tiles import MIN_TILE_BYTES, TileMap, tile_boxes, tile_plan
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 TILED = TransferConfig(column_tiles=8)
 RATIO = TransferConfig().coalesce_ratio

@@ -42,7 +42,7 @@ def test_s3_names_the_certificate(client: str, moto_server, s3_bucket: str, untr
 
 def test_azure_names_the_certificate(azurite_server, azure_env, azure_container: str, untrusted) -> None:
     from dcp_cloud.store.azure import AzureConfig, AzureStore
-    from dcp_cloud.testing.azurite import ACCOUNT
+    from dcp_cloud.testing.servers.azurite import ACCOUNT
 
     upstream = azurite_server.endpoint.rsplit("/", 1)[0]
     with FaultProxy(upstream, flavor="azure", ssl_context=untrusted) as proxy:

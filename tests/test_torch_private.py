@@ -197,7 +197,7 @@ def _dtensor_paths(rank: int, world_size: int) -> list[str]:
 
 
 def test_dtensor_fast_and_public_paths_build_the_same_dtensor() -> None:
-    from dcp_cloud.testing.multirank import run_ranks
+    from dcp_cloud.testing.ranks.multirank import run_ranks
 
     assert run_ranks(2, _dtensor_paths, timeout=300) == [[], []]
 
@@ -215,7 +215,7 @@ def _ranks_seen(rank: int, world_size: int, root: str) -> tuple[int, int]:
 
 
 def test_writer_knows_its_rank_whether_or_not_torch_passes_it(tmp_path: Any) -> None:
-    from dcp_cloud.testing.multirank import run_ranks
+    from dcp_cloud.testing.ranks.multirank import run_ranks
 
     assert run_ranks(2, _ranks_seen, str(tmp_path), timeout=300) == [(0, 0), (1, 1)]
 

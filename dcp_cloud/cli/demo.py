@@ -126,7 +126,7 @@ def _use_store_env(spec: dict[str, str]) -> None:
             }
         )
     elif spec["backend"] == "azure":
-        from ..testing.azurite import connection_string
+        from ..testing.servers.azurite import connection_string
 
         for name in [n for n in os.environ if n.startswith("AZURE_STORAGE_")]:
             del os.environ[name]
@@ -285,7 +285,7 @@ def _server(backend: str) -> Iterator[tuple[str, str]]:
 
         import boto3
 
-        from ..testing.moto_server import MotoServer
+        from ..testing.servers.moto_server import MotoServer
 
         if importlib.util.find_spec("moto") is None:
             raise DemoUnavailableError(
@@ -307,7 +307,7 @@ def _server(backend: str) -> Iterator[tuple[str, str]]:
                 client.close()
             yield server.endpoint_url, bucket
     elif backend == "azure":
-        from ..testing import azurite
+        from ..testing.servers import azurite
 
         reason = azurite.missing_reason()
         if reason is not None:
@@ -316,7 +316,7 @@ def _server(backend: str) -> Iterator[tuple[str, str]]:
             server.create_container(bucket)
             yield server.endpoint, bucket
     else:
-        from ..testing.gcs_emulator import GCSEmulator
+        from ..testing.servers.gcs_emulator import GCSEmulator
 
         with GCSEmulator() as emulator:
             emulator.create_bucket(bucket)
@@ -347,7 +347,7 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout, *, progress: Any = No
     ``progress`` (a :class:`dcp_cloud.Progress`) hears of the phases; ``as_json`` prints one JSON object.
     """
     from ..maintenance.progress import or_silent
-    from ..testing.multirank import run_ranks
+    from ..testing.ranks.multirank import run_ranks
 
     bar = or_silent(progress)
     bar.start("demo", 4, unit="phase")

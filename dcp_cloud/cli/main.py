@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error("interrupted")
         return 130
     except Exception as exc:  # demo infrastructure: ranks, embedded servers
-        from ..testing.multirank import RankFailedError
+        from ..testing.ranks.multirank import RankFailedError
 
         names = {"MotoServerError", "EmulatorError", "DemoUnavailableError"}
         if isinstance(exc, RankFailedError) or type(exc).__name__ in names:

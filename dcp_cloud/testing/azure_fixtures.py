@@ -3,14 +3,14 @@
 Loaded by the ``dcp_cloud`` pytest plugin (installed with the package), so a user's test suite can simply
 ask for them:
 
-* ``azurite_server`` (session): a running :class:`~dcp_cloud.testing.azurite.Azurite`;
+* ``azurite_server`` (session): a running :class:`~dcp_cloud.testing.servers.azurite.Azurite`;
 * ``azure_env``: ``AZURE_STORAGE_CONNECTION_STRING`` set in ``os.environ`` for the test (inherited by
   child processes; the user's other ``AZURE_STORAGE_*`` variables are hidden); the dict is returned;
 * ``azure_container``: the name of a fresh, empty container, deleted with its blobs after the test;
 * ``azure_store``: an :class:`~dcp_cloud.store.azure.AzureStore` bound to ``azure_container``.
 
 Tests that need Azurite are skipped where node or Azurite is missing (``python -m
-dcp_cloud.testing.azurite`` installs it), and fail instead under ``DCP_CLOUD_REQUIRE_SERVERS=1`` (CI), as
+dcp_cloud.testing.servers.azurite`` installs it), and fail instead under ``DCP_CLOUD_REQUIRE_SERVERS=1`` (CI), as
 every server fixture does (:mod:`dcp_cloud.testing.required`).
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from .azurite import Azurite, missing_reason
 from .required import server_unavailable
+from .servers.azurite import Azurite, missing_reason
 
 __all__ = ["azure_container", "azure_env", "azure_store", "azurite_server"]
 

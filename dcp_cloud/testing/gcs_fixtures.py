@@ -3,7 +3,7 @@
 Loaded by the ``dcp_cloud`` pytest plugin (installed with the package), so a
 user's test suite can simply ask for them:
 
-* ``gcs_emulator`` (session): a running :class:`~dcp_cloud.testing.gcs_emulator.GCSEmulator`;
+* ``gcs_emulator`` (session): a running :class:`~dcp_cloud.testing.servers.gcs_emulator.GCSEmulator`;
 * ``gcs_env``: ``STORAGE_EMULATOR_HOST`` and ``GOOGLE_CLOUD_PROJECT`` set in
   ``os.environ`` for the test (inherited by child processes); the dict is returned;
 * ``gcs_bucket``: the name of a fresh, empty bucket on the emulator, deleted
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from .gcs_emulator import EmulatorError, GCSEmulator, find_fake_gcs_server
-from .gcs_emulator import gcs_env as _emulator_env
 from .required import server_unavailable
+from .servers.gcs_emulator import EmulatorError, GCSEmulator, find_fake_gcs_server
+from .servers.gcs_emulator import gcs_env as _emulator_env
 
 __all__ = ["gcs_bucket", "gcs_emulator", "gcs_env", "gcs_store"]
 

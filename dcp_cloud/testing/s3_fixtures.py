@@ -1,6 +1,6 @@
 """pytest fixtures for S3 tests against a real moto server (loaded by the ``dcp_cloud`` plugin).
 
-* ``moto_server`` (session): one :class:`~dcp_cloud.testing.moto_server.MotoServer`
+* ``moto_server`` (session): one :class:`~dcp_cloud.testing.servers.moto_server.MotoServer`
   with the multipart minimum lowered to :data:`MOTO_MIN_PART_SIZE` (256 KiB).
 * ``s3_env``: points the ``AWS_*`` environment of this process at it, with fake
   credentials, and hides the user's own AWS configuration.
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ..store.protocol import PartLimits
-from .moto_server import (
+from .servers.moto_server import (
     _CONFLICTING_ENV,
     DEFAULT_REGION,
     FAKE_ACCESS_KEY_ID,

@@ -7,9 +7,9 @@ The fixtures (loaded by the ``dcp_cloud`` pytest plugin) start each server
 once per session and skip with the reason where it cannot start:
 
 * ``moto_target``: the ``moto_server`` fixture's moto server (always available);
-* ``s3rver_target``: s3rver (npm; ``python -m dcp_cloud.testing.s3rver`` installs it);
+* ``s3rver_target``: s3rver (npm; ``python -m dcp_cloud.testing.servers.s3rver`` installs it);
 * ``rgw_target``: a throwaway one-node Ceph cluster with a RADOS Gateway
-  (:mod:`dcp_cloud.testing.ceph_rgw`; needs the Debian/Ubuntu Ceph packages).
+  (:mod:`dcp_cloud.testing.servers.ceph_rgw`; needs the Debian/Ubuntu Ceph packages).
 
 With ``DCP_CLOUD_REQUIRE_SERVERS=1`` in the environment (CI sets it) a
 server that cannot start fails its tests instead of skipping them
@@ -39,8 +39,8 @@ from typing import Any
 import pytest
 
 from ..store.protocol import PartLimits
-from .moto_server import _CONFLICTING_ENV, MotoServer, moto_env
 from .required import server_unavailable
+from .servers.moto_server import _CONFLICTING_ENV, MotoServer, moto_env
 
 
 @dataclass
@@ -87,7 +87,7 @@ class S3Target:
 
     def client(self) -> Any:
         """A plain boto3 client on the server (path-style, retries on), for arranging and checking tests."""
-        from .s3rver import client
+        from .servers.s3rver import client
 
         with self._lock:
             if self._client is None:
@@ -104,7 +104,7 @@ class S3Target:
 
     def drop_bucket(self, name: str) -> None:
         """Empty and delete one bucket (objects and pending uploads; errors ignored)."""
-        from .s3rver import empty_bucket
+        from .servers.s3rver import empty_bucket
 
         client = self.client()
         with contextlib.suppress(Exception):
@@ -159,7 +159,7 @@ def moto_target(moto_server: MotoServer) -> Iterator[S3Target]:
 @pytest.fixture(scope="session")
 def s3rver_server() -> Iterator[Any]:
     """One s3rver process for the session; skips where node or the s3rver package is missing."""
-    from .s3rver import S3rver, missing_reason
+    from .servers.s3rver import S3rver, missing_reason
 
     reason = missing_reason()
     if reason is not None:
@@ -171,7 +171,7 @@ def s3rver_server() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def s3rver_target(s3rver_server: Any) -> Iterator[S3Target]:
     """The session's s3rver as an :class:`S3Target` (it takes parts of any size)."""
-    from .s3rver import VERSION
+    from .servers.s3rver import VERSION
 
     limits = PartLimits(min_part_size=256 * 1024, max_part_size=5 * 1024**3, max_parts=10_000)
     yield from _target_fixture(
@@ -191,7 +191,7 @@ def s3rver_target(s3rver_server: Any) -> Iterator[S3Target]:
 def ceph_rgw() -> Iterator[Any]:
     """A throwaway one-node Ceph cluster with a RADOS Gateway for the session (about 2 s to start, 5 s to
     stop); skips where the Ceph packages are missing."""
-    from .ceph_rgw import INSTALL_HINT, CephRGW, missing_programs
+    from .servers.ceph_rgw import INSTALL_HINT, CephRGW, missing_programs
 
     missing = missing_programs()
     if missing:
@@ -203,7 +203,7 @@ def ceph_rgw() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def rgw_target(ceph_rgw: Any) -> Iterator[S3Target]:
     """The session's Ceph RGW as an :class:`S3Target` (multipart minimum lowered to 256 KiB)."""
-    from .ceph_rgw import MIN_PART_SIZE, version
+    from .servers.ceph_rgw import MIN_PART_SIZE, version
 
     limits = PartLimits(min_part_size=MIN_PART_SIZE, max_part_size=5 * 1024**3, max_parts=10_000)
     yield from _target_fixture(

@@ -16,8 +16,8 @@ import pytest
 from compat_matrix import CLIENTS, SERVERS, Compat
 
 from dcp_cloud import close_clients
-from dcp_cloud.testing.moto_server import _CONFLICTING_ENV
 from dcp_cloud.testing.s3_servers import S3Target
+from dcp_cloud.testing.servers.moto_server import _CONFLICTING_ENV
 
 
 @pytest.fixture(scope="session")

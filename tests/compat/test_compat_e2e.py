@@ -15,7 +15,7 @@ import dcp_cloud
 from dcp_cloud import CheckpointExistsError, S3Reader, S3Writer
 from dcp_cloud.store.protocol import PartLimits
 from dcp_cloud.store.s3 import S3Config
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

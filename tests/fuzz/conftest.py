@@ -23,9 +23,9 @@ from fuzz_options import STORES, Target
 from fuzz_report import failure_text, say, sequence_failure_text
 from fuzz_world import World
 
-from dcp_cloud.testing.gcs_emulator import gcs_env
-from dcp_cloud.testing.moto_server import MotoServer, moto_env
 from dcp_cloud.testing.s3_fixtures import MOTO_MIN_PART_SIZE, moto_client
+from dcp_cloud.testing.servers.gcs_emulator import gcs_env
+from dcp_cloud.testing.servers.moto_server import MotoServer, moto_env
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

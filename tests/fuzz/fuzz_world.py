@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dcp_cloud.testing.multirank import _die_with_parent, _free_port, _kill
+from dcp_cloud.testing.ranks.multirank import _die_with_parent, _free_port, _kill
 
 WORLD_SIZE = 4
 #: Seconds a world may take to start (spawn, import torch, join gloo, build groups and meshes).

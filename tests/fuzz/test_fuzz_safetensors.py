@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from dcp_cloud.testing.moto_server import moto_env
-from dcp_cloud.testing.multirank import run_ranks
+from dcp_cloud.testing.ranks.multirank import run_ranks
+from dcp_cloud.testing.servers.moto_server import moto_env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

@@ -2,7 +2,7 @@
 
 Azurite is Node code, not a Python dependency. :func:`install` puts ``azurite@VERSION`` into a cache
 directory with npm (``$DCP_CLOUD_BENCH_CACHE`` or ``~/.cache/dcp-cloud-bench``; run ``python -m
-dcp_cloud.testing.azurite`` to do it ahead of a test run); :func:`installed_script` finds it without
+dcp_cloud.testing.servers.azurite`` to do it ahead of a test run); :func:`installed_script` finds it without
 installing, so a fixture can skip (or, under ``DCP_CLOUD_REQUIRE_SERVERS=1``, fail) where it is absent.
 
 ``Azurite()`` starts only the Blob service: ``node azurite-blob --blobHost 127.0.0.1 --blobPort PORT
@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 import weakref
 
-from ..store.azure.auth import DEV_ACCOUNT, DEV_KEY
+from ...store.azure.auth import DEV_ACCOUNT, DEV_KEY
 from . import _npm
 from ._procs import _death_signal_setter, _free_port, stop_processes
 
@@ -56,7 +56,7 @@ def installed_script() -> str | None:
 
 def missing_reason() -> str | None:
     """Why an :class:`Azurite` cannot start here (None when it can)."""
-    return _npm.missing_reason("azurite", VERSION, _ENTRY, "dcp_cloud.testing.azurite")
+    return _npm.missing_reason("azurite", VERSION, _ENTRY, "dcp_cloud.testing.servers.azurite")
 
 
 def install() -> str:
@@ -185,5 +185,5 @@ class Azurite:
             self.service().delete_container(name)  # type: ignore[attr-defined]
 
 
-if __name__ == "__main__":  # python -m dcp_cloud.testing.azurite: install ahead of a test run
+if __name__ == "__main__":  # python -m dcp_cloud.testing.servers.azurite: install ahead of a test run
     print(install())

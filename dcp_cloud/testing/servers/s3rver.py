@@ -3,7 +3,7 @@ benchmarks.
 
 s3rver is Node code, not a Python dependency. :func:`install` puts
 ``s3rver@VERSION`` into a cache directory with npm (``$DCP_CLOUD_BENCH_CACHE``
-or ``~/.cache/dcp-cloud-bench``; run ``python -m dcp_cloud.testing.s3rver``
+or ``~/.cache/dcp-cloud-bench``; run ``python -m dcp_cloud.testing.servers.s3rver``
 to do it ahead of a test run); :func:`installed_script` finds it without
 installing, so a fixture can skip where it is absent.
 
@@ -66,7 +66,7 @@ def installed_script() -> str | None:
 
 def missing_reason() -> str | None:
     """Why an :class:`S3rver` cannot start here (None when it can)."""
-    return _npm.missing_reason("s3rver", VERSION, _ENTRY, "dcp_cloud.testing.s3rver")
+    return _npm.missing_reason("s3rver", VERSION, _ENTRY, "dcp_cloud.testing.servers.s3rver")
 
 
 def install() -> str:
@@ -206,5 +206,5 @@ def empty_bucket(s3: Any, bucket: str) -> None:
         s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
 
 
-if __name__ == "__main__":  # python -m dcp_cloud.testing.s3rver: install ahead of a test run
+if __name__ == "__main__":  # python -m dcp_cloud.testing.servers.s3rver: install ahead of a test run
     print(install())
