@@ -170,6 +170,7 @@ AZURE_ALLOWED = {
     "dcp_cloud/cli/commands.py": "docstring: the config the CLI's options make",
     "dcp_cloud/cli/main.py": "the CLI's help texts and options",
     "dcp_cloud/cli/demo.py": "dcp-cloud demo --backend azure",
+    "dcp_cloud/cli/demoservers.py": "dcp-cloud demo --backend azure: its embedded Azurite",
     "dcp_cloud/run/manager.py": "docstring: AzureConfig among the configs",
     "dcp_cloud/safetensors/export.py": "docstring: AzureConfig among the configs",
     "dcp_cloud/safetensors/reader.py": "docstring: AzureConfig among the configs",
