@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 
 import dcp_cloud
 from dcp_cloud import DeviceCopyError, LocalReader, LocalWriter, StagingConfig, TransferConfig, free_staging_pool
-from dcp_cloud.dcp.device import devicering, pinledger, staging
-from dcp_cloud.dcp.device.devicering import Mover, route_cpu
+from dcp_cloud.dcp.device import cudapaths, devicering, movers, pinledger, pinning, staging
+from dcp_cloud.dcp.device.cudapaths import route_cpu
+from dcp_cloud.dcp.device.movers import Mover
 from dcp_cloud.dcp.load.handover import bounded_pieces
 from dcp_cloud.testing.ranks.multirank import run_ranks
 
@@ -46,12 +47,12 @@ BOOM = "CUDA error: an illegal memory access was encountered (injected)"
 def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fresh pool and ring, no warning given yet, and a ledger of this test's own."""
     monkeypatch.setenv(pinledger.DIR_ENV, str(tmp_path / "ledger"))
-    monkeypatch.delenv(devicering.SWITCH, raising=False)
+    monkeypatch.delenv(cudapaths.SWITCH, raising=False)
     free_staging_pool()
-    devicering._warned.clear()
+    cudapaths._warned.clear()
     yield
     free_staging_pool()
-    devicering._warned.clear()
+    cudapaths._warned.clear()
 
 
 def _state(seed: int, device: str = "cpu") -> dict[str, Any]:
@@ -118,7 +119,7 @@ def _refuse_pinning(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         asked.append(nbytes)
         return 2
 
-    monkeypatch.setattr(devicering, "_host_register", refuse)
+    monkeypatch.setattr(pinning, "_host_register", refuse)
     return asked
 
 
@@ -130,8 +131,8 @@ def _fake_pinning(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         pinned.append(nbytes)
         return 0
 
-    monkeypatch.setattr(devicering, "_host_register", register)
-    monkeypatch.setattr(devicering, "_host_unregister", lambda ptr: 0)
+    monkeypatch.setattr(pinning, "_host_register", register)
+    monkeypatch.setattr(pinning, "_host_unregister", lambda ptr: 0)
     return pinned
 
 
@@ -256,7 +257,7 @@ def test_arenas_past_the_pinned_cap_stay_pageable(
 # -- the plain paths those fall back to ---------------------------------------------------------------------
 def test_the_switch_turns_every_device_path_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pinned = _fake_pinning(monkeypatch)
-    monkeypatch.setenv(devicering.SWITCH, "off")
+    monkeypatch.setenv(cudapaths.SWITCH, "off")
     config = StagingConfig(ring_chunks=3, ring_chunk_bytes=2 * MiB, pin_memory=True)
     with route_cpu(pin=True):
         _round_trip(tmp_path, config)
@@ -464,7 +465,7 @@ def test_cuda_stream_setup_failure_falls_back(
 @cuda
 def test_cuda_with_the_switch_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked = _refuse_pinning(monkeypatch)  # nothing may ask to page-lock
-    monkeypatch.setenv(devicering.SWITCH, "off")
+    monkeypatch.setenv(cudapaths.SWITCH, "off")
     _round_trip(tmp_path, SMALL, device="cuda")
     assert devicering.ring_bytes() == 0 and asked == []
 
@@ -477,7 +478,7 @@ def test_cuda_copy_failing_midway_raises_a_typed_error(
     state = _state(4, "cuda")
     if phase == "load":
         dcp.save(state, storage_writer=LocalWriter(tmp_path / "c", staging=SMALL))
-    real = devicering.CudaMover
+    real = movers.CudaMover
     calls = [0]
 
     class Failing(real):  # type: ignore[misc, valid-type]
@@ -494,7 +495,7 @@ def test_cuda_copy_failing_midway_raises_a_typed_error(
             self._maybe_fail()
             super().to_device(dst, src)
 
-    monkeypatch.setattr(devicering, "CudaMover", Failing)
+    monkeypatch.setattr(movers, "CudaMover", Failing)
     with pytest.raises(DeviceCopyError, match="injected"):
         if phase == "async":
             dcp.async_save(state, storage_writer=LocalWriter(tmp_path / "c", staging=SMALL)).result(timeout=60)

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 
 from dcp_cloud import LocalReader, LocalWriter, StagingConfig, TransferConfig, free_staging_pool
 from dcp_cloud.dcp.device import devicering
+from dcp_cloud.dcp.device.cudapaths import route_cpu
 from dcp_cloud.dcp.device.devicefeed import SaveFeed, piece_bytes
-from dcp_cloud.dcp.device.devicering import DeferredMover, Mover, Ring, route_cpu
+from dcp_cloud.dcp.device.devicering import Ring
+from dcp_cloud.dcp.device.movers import DeferredMover, Mover
 from dcp_cloud.dcp.device.ringstage import copy_through_ring, plan_batches
 from dcp_cloud.dcp.device.staging import POOL, stage
 from dcp_cloud.errors import ConfigError

@@ -312,7 +312,7 @@ def test_dtype_itemsize_matches_torchs_private_element_size() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_public_pinning_page_locks_exactly_the_slab() -> None:
-    from dcp_cloud.dcp.device.devicering import pin_tensor as _pin
+    from dcp_cloud.dcp.device.pinning import pin_tensor as _pin
 
     slab = torch.empty(3 * 1024 * 1024 + 17, dtype=torch.uint8)
     assert not slab.is_pinned()

@@ -27,7 +27,9 @@ from ...format import framing, serialize
 from ...format.tensorbytes import tensor_bytes
 from ...transfer.budget import ByteBudget
 from ...transfer.upload import ObjectWriter
-from .devicering import Mover, Ring, device_path, moving, plain, routed
+from .cudapaths import moving, plain, routed
+from .devicering import Ring, device_path
+from .movers import Mover
 from .ringstage import flat_bytes
 
 MiB = 1 << 20

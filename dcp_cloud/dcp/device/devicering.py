@@ -1,10 +1,10 @@
-"""The pinned ring device tensors pass through on their way to and from host memory, and the copy engines.
+"""The pinned ring device tensors pass through on their way to and from host memory.
 
 Copying a CUDA tensor into pageable host memory is slow (the driver stages
 it through a small pinned buffer of its own, one copy at a time, and faults
 fresh pages in on one thread); into page-locked memory it runs at the
 link's speed, asynchronously. Pinning the destination of every save or load
-is no answer either (``cudaHostRegister`` costs ~0.3 s per GiB). So every
+is no answer either (``cudaHostRegister`` takes time per byte locked). So every
 process keeps, per device, a small :class:`Ring` of page-locked chunks
 (``StagingConfig.ring_chunks`` x ``ring_chunk_bytes``, allocated at first
 use, freed by ``free_staging_pool()``), and:
@@ -18,279 +18,24 @@ use, freed by ``free_staging_pool()``), and:
 * a load into a device lands request bodies in a chunk and copies them to
   the device while the next requests are read (:mod:`.landing`).
 
-A :class:`Mover` is how bytes move between a device and a ring chunk: on
-CUDA, ``non_blocking`` copies on a side stream with an event per batch; on
-the CPU (tests route CPU tensors through the same code with
-:func:`route_cpu`) a plain copy, or with ``deferred=True`` a copy that runs
-only when its ticket is waited for, so a consumer that forgot to wait reads
-stale bytes and the test fails.
-
-The ring is an optimization, so it degrades and never fails a save or a
-load: where it cannot be set up (page-locking refused, the pinned memory
-cap of :mod:`.pinledger` reached, a stream or event call failing before any
-byte moved) :func:`device_path` answers None, the caller takes the plain
-path that existed before the ring, and the process logs one warning naming
-what failed and what it costs. ``DCP_CLOUD_CUDA_PATHS=off`` turns every
-CUDA-specific path off the same way (:func:`cuda_paths_on`). A failure once
-bytes are moving is a failure of the data: :func:`moving` raises it as
-:class:`~dcp_cloud.errors.DeviceCopyError`.
+The ring is an optimization (see :mod:`.cudapaths`): where it cannot be set
+up, :func:`device_path` answers None and the caller takes the plain path,
+with one warning per process naming what failed and what it costs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
 import threading
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ...errors import DcpCloudError, DeviceCopyError
-from ...format.torchprivate import pickles_tensor_metadata
-from .pinledger import LEDGER, default_cap
+from .cudapaths import cpu_ring_pinned, cuda_paths_on, degrade
+from .movers import Mover, mover_for
+from .pinning import pin_tensor
 
-log = logging.getLogger("dcp_cloud")
-
-MiB = 1 << 20
-#: cudaHostRegisterPortable: the pinned pages count as pinned in every CUDA context.
-_HOST_REGISTER_PORTABLE = 1
-
-#: Device types whose tensors go through the ring (CUDA; tests add the CPU with :func:`route_cpu`).
-_ROUTED: frozenset[str] = frozenset({"cuda"})
-#: With the CPU routed: copies run when waited for (see the module docstring).
-_DEFERRED = False
-#: With the CPU routed: its ring is page-locked as a CUDA one is (tests of the pinning paths).
-_PIN_CPU = False
-#: The one switch: ``off`` (or 0 / false / no) turns every CUDA-specific path off (the ring, the feed, the
-#: landing chunks, page-locked arenas, side streams); saves and loads take the plain paths.
-SWITCH = "DCP_CLOUD_CUDA_PATHS"
-_OFF = frozenset({"0", "off", "false", "no"})
-#: What failed already in this process (one warning each).
-_warned: set[str] = set()
 #: Devices whose ring could not be made: not tried again until :func:`free_rings`.
 _no_ring: set[tuple[str, int]] = set()
-
-
-def cuda_paths_on() -> bool:
-    """Whether the CUDA-specific paths are on (``DCP_CLOUD_CUDA_PATHS`` is not ``off``); read at every use."""
-    return os.environ.get(SWITCH, "").strip().lower() not in _OFF
-
-
-def degrade(what: str, cost: str, exc: BaseException | None = None) -> None:
-    """Log, once per process for each ``what``, that an optimization could not be set up and what it costs."""
-    if what in _warned:
-        log.debug("%s failed again (%r); %s", what, exc, cost)
-        return
-    _warned.add(what)
-    cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
-    log.warning(
-        "%s failed%s; %s. Saves and loads go on without it (set %s=off to turn every CUDA-specific path "
-        "off; see the troubleshooting page).",
-        what,
-        cause,
-        cost,
-        SWITCH,
-    )
-
-
-class PinCapError(RuntimeError):
-    """Page-locking more memory would take this host past the cap on pinned memory (see :mod:`.pinledger`)."""
-
-
-@contextlib.contextmanager
-def moving(what: str) -> Iterator[None]:
-    """Raise a failure of device copies under way (after the path was set up) as a DeviceCopyError."""
-    try:
-        yield
-    except DcpCloudError:
-        raise
-    except Exception as exc:
-        raise DeviceCopyError(
-            f"{what} failed while bytes were moving ({type(exc).__name__}: {exc}); nothing of this save is "
-            "committed, and a load's destination tensors are incomplete. A CUDA error here usually means the "
-            f"device itself failed; if it recurs, {SWITCH}=off takes the plain copy paths"
-        ) from exc
-
-
-def routed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes go through the ring (it lives on a device)."""
-    return tensor.device.type in _ROUTED
-
-
-def plain(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s value is exactly its memory, in order: strided, contiguous, not quantized or
-    nested, no lazy conjugate or negative bit (what the ring moves is bytes)."""
-    return (
-        tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and tensor.is_contiguous()
-        and not pickles_tensor_metadata(tensor)  # conj / neg bits
-    )
-
-
-@contextlib.contextmanager
-def route_cpu(deferred: bool = False, pin: bool = False) -> Iterator[None]:
-    """Route CPU tensors through the ring, as if they lived on a device (tests of the ring's logic); with
-    ``pin``, a CPU ring is page-locked like a CUDA one (where the config pins)."""
-    global _ROUTED, _DEFERRED, _PIN_CPU
-    saved = _ROUTED, _DEFERRED, _PIN_CPU
-    _ROUTED, _DEFERRED, _PIN_CPU = _ROUTED | {"cpu"}, deferred, pin
-    try:
-        yield
-    finally:
-        _ROUTED, _DEFERRED, _PIN_CPU = saved
-
-
-def _host_register(ptr: int, nbytes: int) -> int:
-    """cudaHostRegister (portable); the CUDA error code (tests replace it to refuse page-locking)."""
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
-
-
-def _host_unregister(ptr: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
-def pin_tensor(tensor: torch.Tensor, cap: int | None = None) -> Any:
-    """Page-lock ``tensor``'s memory in place (exact size, unlike the caching pinned allocator's powers of
-    two), unlocked when the tensor is freed. The one pin helper: staging arenas and ring chunks use it.
-
-    The bytes count in the host's ledger of pinned memory (:mod:`.pinledger`) until they are unlocked;
-    past ``cap`` (None: the default cap) it raises :class:`PinCapError` and pins nothing. Returns a
-    callable that unlocks the memory early (once; the tensor's end then does nothing more).
-
-    Through the CUDA runtime that ``torch.cuda.cudart()`` exposes, as torch's own private
-    ``_pin_memory_utils`` (2.7+) does it: public, and present on every torch the package supports.
-    """
-    ptr, nbytes = tensor.data_ptr(), tensor.nbytes
-    limit = default_cap() if cap is None else cap
-    if not LEDGER.reserve(nbytes, limit):
-        raise PinCapError(
-            f"page-locking {nbytes} more bytes would take this host's pinned memory past its cap of {limit} "
-            "bytes (StagingConfig.pinned_limit_bytes)"
-        )
-    try:
-        err = _host_register(ptr, nbytes)
-    except BaseException:
-        LEDGER.release(nbytes)
-        raise
-    if err != 0:
-        LEDGER.release(nbytes)
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
-    return weakref.finalize(tensor, _unpin, ptr, nbytes)
-
-
-def _unpin(ptr: int, nbytes: int) -> None:
-    try:
-        err = _host_unregister(ptr)
-        if err != 0:
-            log.warning("cudaHostUnregister of pinned host memory failed with cudaError %d", err)
-    finally:
-        LEDGER.release(nbytes)
-
-
-class Mover:
-    """Copies between device tensors and host chunks, in order, with tickets to wait for."""
-
-    def begin(self) -> None:
-        """Order the copies after the work the caller's stream has queued so far."""
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def record(self) -> Any:
-        """A ticket for every copy enqueued so far."""
-        return None
-
-    def wait(self, ticket: Any) -> None:
-        """Block until the copies of ``ticket`` are done."""
-
-    def publish(self) -> None:
-        """Order the caller's stream after every copy enqueued so far (the copied data may be used)."""
-
-    def synchronize(self) -> None:
-        """Block until every copy is done."""
-
-
-class DeferredMover(Mover):
-    """CPU copies that run when their ticket is waited for (tests: a missing wait shows as stale bytes)."""
-
-    def __init__(self) -> None:
-        self._queue: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._done = 0
-        self._lock = threading.Lock()
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # Like a copy on a stream, it reads ``src`` when it runs: a source changed before the wait (training
-        # let go too early) or a chunk reused before it (the ring) shows in the copied bytes.
-        with self._lock:
-            self._queue.append((dst, src))
-
-    to_device = to_host
-
-    def record(self) -> Any:
-        with self._lock:
-            return self._done + len(self._queue)
-
-    def wait(self, ticket: Any) -> None:
-        with self._lock:
-            while self._done < ticket:
-                dst, src = self._queue.pop(0)
-                dst.copy_(src)
-                self._done += 1
-
-    def publish(self) -> None:
-        self.synchronize()
-
-    def synchronize(self) -> None:
-        self.wait(self.record())
-
-
-class CudaMover(Mover):
-    """``non_blocking`` copies on a side stream of one device; tickets are events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-
-    def begin(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record(self) -> Any:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def wait(self, ticket: Any) -> None:
-        if ticket is not None:
-            ticket.synchronize()
-
-    def publish(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-
-
-def mover_for(device: torch.device) -> Mover:
-    """The copy engine for tensors on ``device``."""
-    if device.type == "cuda":
-        return CudaMover(device)
-    return DeferredMover() if _DEFERRED else Mover()
 
 
 class Slot:
@@ -410,7 +155,7 @@ def ring_for(device: torch.device, config: Any, cost: str = "device copies go to
                     torch.device(device.type, index),
                     config.ring_chunks,
                     config.ring_chunk_bytes,
-                    (cuda or _PIN_CPU) and pin,
+                    (cuda or cpu_ring_pinned()) and pin,
                     getattr(config, "pinned_limit_bytes", None),
                 )
             except Exception as exc:  # noqa: BLE001 - an optimization: the plain path goes on

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from ...format.tensorbytes import tensor_bytes
-from .devicering import Mover, Ring, Slot, device_path, moving, ring_for
+from .cudapaths import moving
+from .devicering import Ring, Slot, device_path, ring_for
+from .movers import Mover
 
 #: Alignment of every allocation in a region (cache lines).
 _ALIGN = 64

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ...format.tensorbytes import tensor_bytes
-from .devicering import Mover, Ring, Slot
+from .devicering import Ring, Slot
+from .movers import Mover
 
 #: Byte offsets of pieces inside a chunk are multiples of this (cache lines; any dtype).
 _ALIGN = 64

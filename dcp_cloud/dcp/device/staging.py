@@ -54,8 +54,10 @@ import torch
 from ...config import cpu_share
 from ...errors import ConfigError
 from ...format.torchprivate import dtensor_like, is_sharded_tensor
-from .devicering import PinCapError, cuda_paths_on, degrade, device_path, free_rings, moving, pin_tensor, plain, routed
+from .cudapaths import cuda_paths_on, degrade, moving, plain, routed
+from .devicering import device_path, free_rings
 from .pinledger import LEDGER, default_cap
+from .pinning import PinCapError, pin_tensor
 from .ringstage import copy_through_ring
 
 log = logging.getLogger("dcp_cloud")

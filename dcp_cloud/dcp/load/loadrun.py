@@ -53,7 +53,7 @@ from ...format.layout import ItemExtras
 from ...format.torchprivate import pickles_tensor_metadata
 from ...transfer.engine import TransferEngine
 from ...transfer.stats import StatsRecorder
-from ..device.devicering import plain, routed
+from ..device.cudapaths import plain, routed
 from ..device.landing import DeviceSpan, Landing, Move, open_landing
 from ..device.ringstage import flat_bytes
 from ..device.staging import StagingConfig
