@@ -234,7 +234,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     base = f"{spec['root']}/{name}"
     paths = _async_saves(spec, state, base, out)
     out["async_cpu_s"] = cpu_seconds() - cpu0
-    out["pool_bytes"] = dcp_cloud.dcp.device.staging.POOL.idle_bytes
+    out["pool_bytes"] = dcp_cloud.dcp.device.hostpool.POOL.idle_bytes
     out["ring_bytes"] = dcp_cloud.dcp.device.devicering.ring_bytes()
     if start is not None:
         out["bitwise_async"] = _verify(spec, paths, start)

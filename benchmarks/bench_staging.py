@@ -108,7 +108,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 t.add_(1)  # the training step
         upload.result()
     async_cpu = cpu_seconds() - cpu_before
-    pool = dcp_cloud.dcp.device.staging.POOL.idle_bytes
+    pool = dcp_cloud.dcp.device.hostpool.POOL.idle_bytes
     freed = dcp_cloud.free_staging_pool()
     _sync(device)
     started = time.perf_counter()

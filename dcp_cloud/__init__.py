@@ -12,7 +12,8 @@ import logging
 
 from .config import RetryConfig, TransferConfig
 from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
-from .dcp.device.staging import StagingConfig, free_staging_pool
+from .dcp.device.hostpool import free_staging_pool
+from .dcp.device.stagingconfig import StagingConfig
 from .dcp.factory import reader_for, writer_for
 from .dcp.load.reader import CloudReader
 from .dcp.save.writer import CloudWriter

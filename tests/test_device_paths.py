@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import dcp_cloud
 from dcp_cloud import DeviceCopyError, LocalReader, LocalWriter, StagingConfig, TransferConfig, free_staging_pool
-from dcp_cloud.dcp.device import cudapaths, devicering, movers, pinledger, pinning, staging
+from dcp_cloud.dcp.device import cudapaths, devicering, hostpool, movers, pinledger, pinning, staging
 from dcp_cloud.dcp.device.cudapaths import route_cpu
 from dcp_cloud.dcp.device.movers import Mover
 from dcp_cloud.dcp.load.handover import bounded_pieces
@@ -215,7 +215,7 @@ def test_arena_page_locking_refused_stays_pageable(
         state = {"other": torch.randn(3000)}  # another layout, a new arena
         _, lease = staging.stage(state, config)
         lease.release()
-        staging.POOL._idle[0].wait_pinned()
+        hostpool.POOL._idle[0].wait_pinned()
     assert len(asked) == 1, "after the driver refused, no arena is offered again"
     warned = _warnings(caplog)
     assert len(warned) == 1 and "page-locking an async_save staging arena" in warned[0], warned
@@ -232,16 +232,16 @@ def test_arenas_past_the_pinned_cap_stay_pageable(
     with caplog.at_level(logging.WARNING, "dcp_cloud"):
         staged, lease = staging.stage(state, config)
         lease.release()
-        arena = staging.POOL._idle[0]
+        arena = hostpool.POOL._idle[0]
         arena.wait_pinned()
         assert arena.pinned and pinledger.LEDGER.held == arena.nbytes == sum(pinned)
         other = {f"x{i}": torch.randn(100_000) for i in range(40)}  # another layout, 16 MB in 1 MiB slabs
         staged2, lease2 = staging.stage(other, config)
         assert _equal(_tensors(staged2), other)
         lease2.release()
-        for idle in staging.POOL._idle:
+        for idle in hostpool.POOL._idle:
             idle.wait_pinned()
-    assert not [a for a in staging.POOL._idle if a.nbytes > arena.nbytes and a.pinned], "past the cap: pageable"
+    assert not [a for a in hostpool.POOL._idle if a.nbytes > arena.nbytes and a.pinned], "past the cap: pageable"
     assert pinledger.LEDGER.held == arena.nbytes, "only the first arena counts as pinned"
     assert sum(pinned) == arena.nbytes, "no slab of an arena past the cap is page-locked, even for a while"
     warned = _warnings(caplog)

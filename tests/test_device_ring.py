@@ -24,9 +24,10 @@ from dcp_cloud.dcp.device import devicering
 from dcp_cloud.dcp.device.cudapaths import route_cpu
 from dcp_cloud.dcp.device.devicefeed import SaveFeed, piece_bytes
 from dcp_cloud.dcp.device.devicering import Ring
+from dcp_cloud.dcp.device.hostpool import POOL
 from dcp_cloud.dcp.device.movers import DeferredMover, Mover
 from dcp_cloud.dcp.device.ringstage import copy_through_ring, plan_batches
-from dcp_cloud.dcp.device.staging import POOL, stage
+from dcp_cloud.dcp.device.staging import stage
 from dcp_cloud.errors import ConfigError
 from dcp_cloud.transfer.budget import ByteBudget
 

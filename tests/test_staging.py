@@ -13,7 +13,9 @@ from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from dcp_cloud import LocalReader, LocalWriter, StagingConfig, free_staging_pool
-from dcp_cloud.dcp.device.staging import POOL, async_save_takes_futures, stage
+from dcp_cloud.dcp.device.hostpool import POOL
+from dcp_cloud.dcp.device.staging import stage
+from dcp_cloud.dcp.device.stagingconfig import async_save_takes_futures
 from dcp_cloud.errors import ConfigError
 
 #: dcp.async_save's answer when stage() hands back a Future (absent from older torch).

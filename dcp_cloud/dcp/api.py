@@ -10,7 +10,7 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import ConfigError, InvalidURIError
 from ..locations import Backend, LocalBackend, S3Backend, azure_endpoint, backend_of, config_with, scheme_of
 from ..store.protocol import PartLimits
-from .device.staging import StagingConfig
+from .device.stagingconfig import StagingConfig
 from .load.reader import CloudReader
 from .save.writer import CloudWriter
 

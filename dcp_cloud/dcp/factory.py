@@ -9,7 +9,7 @@ from typing import Any
 from ..config import RetryConfig, TransferConfig
 from ..locations import StoreConfig, backend_of, scheme_of
 from .api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
-from .device.staging import StagingConfig
+from .device.stagingconfig import StagingConfig
 from .load.reader import CloudReader
 from .save.writer import CloudWriter
 

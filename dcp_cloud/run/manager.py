@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.device.staging import StagingConfig
+from ..dcp.device.stagingconfig import StagingConfig
 from ..errors import (
     CheckpointExistsError,
     ConfigError,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.device.staging import StagingConfig
+from ..dcp.device.stagingconfig import StagingConfig
 from ..dcp.load.reader import CloudReader
 from ..format.compression import validate as validate_compression
 from ..locations import Backend, StoreConfig, open_location, parse_root

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..config import RetryConfig, TransferConfig
-from ..dcp.device.staging import StagingConfig
+from ..dcp.device.stagingconfig import StagingConfig
 from ..dcp.load.reader import CloudReader
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..format.layout import DCP_VERSION, ItemExtras, dump_metadata, storage_info

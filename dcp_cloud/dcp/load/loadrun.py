@@ -56,7 +56,7 @@ from ...transfer.stats import StatsRecorder
 from ..device.cudapaths import plain, routed
 from ..device.landing import DeviceSpan, Landing, Move, open_landing
 from ..device.ringstage import flat_bytes
-from ..device.staging import StagingConfig
+from ..device.stagingconfig import StagingConfig
 from .chunks import ChunkIndex
 from .handover import hand_over, hand_over_whole
 from .loaditem import LoadItem, plan_load_item

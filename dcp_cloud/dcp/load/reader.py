@@ -64,7 +64,7 @@ from ...locations import Backend
 from ...planner.readshare import ShareSchedule, plan_sharing, record_wants
 from ...transfer.engine import READ_BURST
 from ..base import CloudBase, log
-from ..device.staging import StagingConfig
+from ..device.stagingconfig import StagingConfig
 from ..metashare import broadcast_bytes, in_process_group, sharing_group
 from .chunks import ChunkIndex
 from .loadrun import LoadRun

@@ -1,5 +1,5 @@
 """The writer's side of ``dcp.async_save`` staging: torch's AsyncStager over the pooled arenas of
-:mod:`dcp_cloud.dcp.device.staging`, and what happens when staging fails.
+:mod:`dcp_cloud.dcp.device.hostpool`, and what happens when staging fails.
 
 ``dcp.async_save`` calls ``stage`` on every rank *before* any collective
 step of the save. A rank that raised there would leave the other ranks
@@ -20,7 +20,9 @@ from typing import Any
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..base import log
-from ..device.staging import Lease, StagingConfig, stage, stage_in_background
+from ..device.hostpool import Lease
+from ..device.staging import stage, stage_in_background
+from ..device.stagingconfig import StagingConfig
 from ..metashare import in_process_group
 
 

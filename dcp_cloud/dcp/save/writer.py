@@ -61,7 +61,8 @@ from ...transfer.ranges import plan_part_size
 from ...transfer.upload import ObjectWriter, open_writer
 from ..base import CloudBase, log
 from ..device.devicefeed import save_resolver, write_fed
-from ..device.staging import Lease, StagingConfig
+from ..device.hostpool import Lease
+from ..device.stagingconfig import StagingConfig
 from ..metashare import in_process_group
 from . import incremental
 from .itemtap import _ItemTap, write_tensor
