@@ -1,8 +1,8 @@
 """A synchronous save's device tensors, on their way to the object streams through one pinned ring chunk.
 
-``dcp.save`` of a state on a device used to copy each tensor into fresh
-pageable memory (``.to("cpu")``, serially, with nothing else running) and
-then hash and write that copy. Here one ring chunk (see :mod:`.devicering`)
+Without a feed, ``dcp.save`` of a state on a device copies each tensor into
+fresh pageable memory (``.to("cpu")``, serially, with nothing else running)
+and then hashes and writes that copy. Here one ring chunk (see :mod:`.devicering`)
 is split in two halves: while the writer hashes and writes the bytes of one
 half (the host copy that the write uses anyway), the next bytes are copied
 off the device into the other. Items are resolved a little ahead of the one
@@ -35,7 +35,7 @@ from .ringstage import flat_bytes
 MiB = 1 << 20
 #: Items resolved ahead of the one being written, at most (their data is held until written).
 LOOKAHEAD = 64
-#: Smallest half worth a feed: below it (a tiny memory budget) device items are copied as before.
+#: Smallest half worth a feed: below it (a tiny memory budget) device items are written without a feed.
 MIN_PIECE = MiB
 #: What a synchronous save from a device costs without the feed (measured on an H200: see the GPU guide).
 _NO_FEED_COST = "synchronous saves copy each device tensor to pageable memory first (.to('cpu'), serially)"
@@ -184,8 +184,8 @@ class Resolver:
     :data:`LOOKAHEAD` items ahead of the one written, their device tensors queued on the feed.
 
     ``open_feed(first)`` makes the feed for the device of the first feedable tensor (or None: device
-    items are then written as before); ``frame_of(tensor)`` is the torch.save framing of a tensor's host
-    copy (None: that tensor is written as before).
+    items are then written without one); ``frame_of(tensor)`` is the torch.save framing of a tensor's host
+    copy (None: that tensor is written without the feed).
     """
 
     def __init__(
@@ -236,7 +236,7 @@ class Resolver:
 
     def take(self, item: Any) -> tuple[Any, bytes | None, tuple[bytes, bytes] | None]:
         """``item``'s data, its precomputed digest, and the framing of its host copy where its bytes come
-        through :attr:`feed` (None: written as before)."""
+        through :attr:`feed` (None: written without the feed)."""
         got, data, digest, frame = self._ahead.popleft() if self._ahead else self._one()
         if got is not item:
             raise AssertionError("items taken out of their write order")
@@ -258,7 +258,7 @@ def save_resolver(
 ) -> Resolver:
     """The :class:`Resolver` of one rank's save: its feed opens at the first feedable device tensor, where a
     ring is on and the budget leaves room for two halves. ``alignment``: torch.save's storage alignment (0:
-    no learned framing, as with compression: every item is written as before). ``part_size()``: the largest
+    no learned framing, as with compression: every item is written without a feed). ``part_size()``: the largest
     part of the save's objects (asked once, when a feed opens)."""
 
     def open_feed(first: torch.Tensor) -> SaveFeed | None:

@@ -18,7 +18,7 @@ is that request's tail (:class:`~dcp_cloud.format.footer.Rider`): one GET for th
 object, and no read ever waits for a footer queued behind it.
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
-one request each, as before.
+one request each.
 
 A device destination (a CUDA tensor of the stored dtype and shape) gets
 its bytes through pinned ring chunks instead of a temporary of the whole

@@ -3,7 +3,7 @@
 The load's coordinator decides in ``prepare_global_plan`` which stored items
 several ranks want and which rank fetches each (its *owner*); every rank gets
 the same schedule in its LoadPlan's ``storage_data``. In ``read_data`` every
-rank first reads what only it wants, as before, then walks the schedule's
+rank first reads what only it wants, with its own requests, then walks the schedule's
 rounds in order, the same on every rank:
 
 1. the owner lands its fetch of the round's records, checksums verified as

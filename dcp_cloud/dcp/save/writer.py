@@ -119,7 +119,7 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
         #: The committed checkpoint whose unchanged items this save references instead of uploading.
         self.base = None if base is None else str(base)
         #: Record each item's content hash in its object's footer, so this checkpoint can be a base.
-        self.hashes = True if hashes is None else bool(hashes)  # None: the default (older callers)
+        self.hashes = hashes
         self._base_footers: dict[str, tuple[int, int]] = {}
         #: The base's objects (relative to this checkpoint) that a tiled save wrote.
         self._base_tiled: frozenset[str] = frozenset()
