@@ -5,7 +5,7 @@ Call order (torch's contract): ``reset`` (when a checkpoint_id is passed) ->
 ``prepare_global_plan`` -> ``write_data`` on every rank -> (coordinator)
 ``finish``. Each rank streams its items through the transfer engine into one
 object, or a few written in parallel (see .stripes); the coordinator commits
-by writing ``.metadata`` last, create-only.
+by writing ``.metadata`` last, create-only (see .commit).
 """
 
 from __future__ import annotations
@@ -23,40 +23,32 @@ from functools import partial
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...config import RetryConfig, TransferConfig
-from ...errors import CheckpointExistsError, PreconditionFailedError
+from ...errors import CheckpointExistsError
 from ...format import compression as _compression
 from ...format import framing
 from ...format.checksum import checksum_block_for
 from ...format.contenthash import ItemHasher
 from ...format.contenthash import digest as content_digest
-from ...format.createonly import put_create_only
 from ...format.footer import FooterEntry
 from ...format.footer import encode as encode_footer
 from ...format.layout import (
-    DCP_VERSION,
     FOOTER_RESULT_ATTR,
     TILED_RESULT_ATTR,
     ItemExtras,
     chunk_nbytes,
-    dump_metadata,
-    is_shard_path,
     item_nbytes,
-    load_metadata,
-    set_footer_table,
     shard_name,
     storage_info,
 )
 from ...format.tensorbytes import values_of
 from ...locations import Backend
-from ...planner.load import share_chunk_lists
 from ...planner.tiles import TileMap, tile_plan
-from ...store.clients import environment_digest
 from ...transfer.ranges import plan_part_size
 from ...transfer.upload import ObjectWriter, open_writer
 from ..base import CloudBase, log
@@ -65,6 +57,7 @@ from ..device.hostpool import Lease
 from ..device.stagingconfig import StagingConfig
 from ..metashare import in_process_group
 from . import incremental
+from .commit import MetadataCommit
 from .itemtap import _ItemTap, write_tensor
 from .stager import PooledStager
 from .stripes import Finisher, split_runs, stripe_count, stripe_name
@@ -82,12 +75,12 @@ class _ShardPlan:
     refs: dict[Any, incremental.BaseRef] | None = None
 
 
-class CloudWriter(CloudBase, StorageWriter, PooledStager):
+class CloudWriter(CloudBase, MetadataCommit, StorageWriter, PooledStager):
     """Save a DCP checkpoint to an object store (use S3Writer / GCSWriter to build one).
 
     It is also the stager of ``dcp.async_save``: the state is copied into host
     buffers of a process-wide pool that outlives the writer (see
-    :mod:`dcp_cloud.dcp.device.staging` and ``staging=StagingConfig(...)``), so
+    :mod:`dcp_cloud.dcp.device.hostpool` and ``staging=StagingConfig(...)``), so
     training waits for one copy, not for an allocation, on every save after
     the first.
     """
@@ -388,85 +381,6 @@ class CloudWriter(CloudBase, StorageWriter, PooledStager):
         extras = ItemExtras(raw_offset, checked, block, hasher.crcs())
         result = WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, start, length))
         return result, FooterEntry(start, extras, digest if digest is not None else hasher.content_digest())
-
-    # -- commit -----------------------------------------------------------
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage = {}
-        footers: dict[str, tuple[int, int]] = {}
-        tiled: dict[str, bool] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                info = wr.storage_data
-                storage[wr.index] = info
-                place = info.__dict__.pop(FOOTER_RESULT_ATTR, None)
-                if place is not None:  # on the first result of each object (see stripes)
-                    footers[info.relative_path] = place
-                if info.__dict__.pop(TILED_RESULT_ATTR, False):
-                    tiled[info.relative_path] = True
-        metadata.storage_data = storage
-        metadata.storage_meta = self.storage_meta()
-        referenced, reused, unchecked = incremental.collect(results, self._base_footers)
-        tiled.update({path: True for path in referenced if path in self._base_tiled})
-        set_footer_table(metadata, {**footers, **referenced}, tiled)
-        share_chunk_lists(metadata)  # one pickled chunk list per distinct layout (see ScaleLoadPlanner)
-        metadata.version = DCP_VERSION
-        body = dump_metadata(metadata)
-        store = self._retrying()
-        key = self._metadata_key()
-        try:
-            # One PutObject, whatever the size: see .createonly for why never a multipart upload.
-            if self.overwrite:
-                store.put(key, body)
-            else:
-                put_create_only(store, key, body, (self.backend, self.uri.bucket, environment_digest()))
-        except PreconditionFailedError as exc:
-            if not (getattr(exc, "after_retry", False) and self._committed_by_us(key)):
-                raise CheckpointExistsError(
-                    f"{self.checkpoint_id} was committed by another writer while this save ran; "
-                    "nothing of this save is referenced. Save under a new checkpoint_id"
-                ) from exc
-        if self.overwrite:
-            self._delete_unreferenced(metadata)
-        seconds = time.perf_counter() - self._started
-        total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
-        total += sum(length for _, length in footers.values())
-        self._recorder.stop_clock()
-        self._last_stats = self._recorder.snapshot(peak_buffer_bytes=self._last_stats.peak_buffer_bytes)
-        if unchecked:
-            log.warning(
-                "base=%s records no content hash for %d bytes of this save's items (saved with hashes=False, or "
-                "by an older dcp_cloud): they were uploaded, not compared. Checkpoints saved with the defaults "
-                "record hashes; a later save against this one skips what is unchanged",
-                self.base,
-                unchecked,
-            )
-        log.info(
-            "committed checkpoint %s: %d bytes from %d rank(s) in %.2fs (%.1f MB/s)%s",
-            self.checkpoint_id,
-            total,
-            len(results),
-            seconds,
-            total / 1e6 / seconds if seconds > 0 else 0.0,
-            f"; {reused} bytes reused from base={self.base}, {unchecked} not comparable" if self.base else "",
-        )
-
-    def _committed_by_us(self, key: str) -> bool:
-        stored = load_metadata(self._retrying().get(key), self.store.url(key))
-        return stored.storage_meta is not None and stored.storage_meta.save_id == self.save_id
-
-    def _delete_unreferenced(self, metadata: Metadata) -> None:
-        """After an overwrite commit, drop shard objects neither the new metadata nor a dependent references."""
-        keep = {self.uri.key(info.relative_path) for info in metadata.storage_data.values()}
-        store = self._retrying()
-        stale = [
-            o.key
-            for o in store.list(self.uri.prefix + "/")
-            if o.key not in keep and is_shard_path(o.key[len(self.uri.prefix) + 1 :])
-        ]
-        if stale:  # shards of this checkpoint that incremental checkpoints saved on it may still reference
-            stale = incremental.not_held_by_dependents(store, self.uri, stale)
-        if stale:
-            store.delete(stale)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
