@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 
 from .config import RetryConfig, TransferConfig
-from .dcp.api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
+from .dcp.constructors.azure import AzureReader, AzureWriter
+from .dcp.constructors.gcs import GCSReader, GCSWriter
+from .dcp.constructors.local import LocalReader, LocalWriter
+from .dcp.constructors.s3 import S3Reader, S3Writer
 from .dcp.device.hostpool import free_staging_pool
 from .dcp.device.stagingconfig import StagingConfig
 from .dcp.factory import reader_for, writer_for

@@ -157,7 +157,7 @@ def test_nothing_below_the_run_layer_imports_it() -> None:
 #: a backend is one folder plus its rows in these tables).
 AZURE_ALLOWED = {
     "dcp_cloud/__init__.py": "exports AzureWriter / AzureReader / AzureConfig",
-    "dcp_cloud/dcp/api.py": "the public constructors, as for every backend",
+    "dcp_cloud/dcp/constructors/azure.py": "the public constructors, as for every backend",
     "dcp_cloud/dcp/factory.py": "writer_for / reader_for: the az row of the constructor table",
     "dcp_cloud/integrations/routing.py": "docstring: the URLs install() routes",
     "dcp_cloud/integrations/filesystem.py": "AzureFileSystem, the fsspec filesystem of each cloud",

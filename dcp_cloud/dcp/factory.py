@@ -8,7 +8,10 @@ from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..locations import StoreConfig, backend_of, scheme_of
-from .api import AzureReader, AzureWriter, GCSReader, GCSWriter, LocalReader, LocalWriter, S3Reader, S3Writer
+from .constructors.azure import AzureReader, AzureWriter
+from .constructors.gcs import GCSReader, GCSWriter
+from .constructors.local import LocalReader, LocalWriter
+from .constructors.s3 import S3Reader, S3Writer
 from .device.stagingconfig import StagingConfig
 from .load.reader import CloudReader
 from .save.writer import CloudWriter

@@ -1,0 +1,1 @@
+"""The public writer and reader constructors, one module per cloud: thin subclasses of CloudWriter / CloudReader."""
