@@ -1,6 +1,7 @@
 """Housekeeping of checkpoints in a bucket: list, inspect, verify, copy and remove them, collect what
 failed saves left. One module per operation: ``listing``, ``inspection``, ``verification``, ``copying``,
-``removal``, ``collect`` (gc); ``dependents`` finds checkpoints that reference others.
+``removal``, ``collect`` (gc); ``dependents`` finds checkpoints that reference others, ``streamcopy``
+streams objects between stores for ``copying``.
 
 The functions take a URI and the same keyword arguments:
 

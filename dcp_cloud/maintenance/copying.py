@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import copy
 import posixpath
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +50,11 @@ from ..locations import OpenedLocation, StoreConfig, open_location
 from ..store.clients import environment_digest
 from ..store.protocol import ObjectStore
 from ..transfer.engine import TransferEngine
-from ..transfer.upload import open_writer
 from ..uri import join_key
 from .common import _METADATA, _read_committed, log
-from .mapped import is_mapped, send_mapped
-from .progress import Progress, Tally, or_silent, relay
-from .verification import ExtrasFinder, StreamChecker, stream_checker, stream_checkers
+from .progress import Progress, or_silent
+from .streamcopy import copy_streaming, stream_object
+from .verification import ExtrasFinder, stream_checker, stream_checkers
 
 
 @dataclass(frozen=True)
@@ -146,7 +143,7 @@ def stream_objects(src: OpenedLocation, dst: OpenedLocation, metadata: Any, name
     regions, _, _ = stream_checkers(
         metadata, lambda name: src.url(join_key(src.prefix, name)), ExtrasFinder(src, metadata)
     )
-    _copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes})
+    copy_streaming(src, dst, sizes, regions, or_silent(None), {n: n for n in sizes})
     return sum(sizes.values())
 
 
@@ -204,7 +201,7 @@ def _copy(
             else:
                 checked, unchecked = 0, checked + unchecked
         else:
-            _copy_streaming(src, dst, sizes, regions, bar, rename)
+            copy_streaming(src, dst, sizes, regions, bar, rename)
     finally:
         bar.done()
     if outside:
@@ -327,132 +324,7 @@ def _check_copies(dst: OpenedLocation, sizes: dict[str, int], regions: dict[str,
         for name, size in sizes.items():
             key = f"{dst.prefix}/{rename[name]}"
             if name in regions:
-                _stream(engine, key, size, stream_checker(regions[name], dst.url(key)), None, None)
-
-
-def _copy_streaming(
-    src: OpenedLocation,
-    dst: OpenedLocation,
-    sizes: dict[str, int],
-    regions: dict[str, Any],
-    bar: Progress,
-    rename: dict[str, str],
-) -> None:
-    """Stream each object through its upload, several objects at once, as many as the upload's memory budget
-    holds their parts (an object under the single-PUT limit is one request on one connection: one after
-    another, a store that caps each connection's bandwidth would cap the copy's). A local directory's objects
-    go up from their mapped files instead, up to ``concurrency`` at once (streamed where a file cannot be
-    mapped)."""
-    if is_mapped(src):
-        sizes = send_mapped(src, dst, sizes, regions, bar, rename)  # what could not be mapped: streamed below
-        if not sizes:
-            return
-    with (
-        TransferEngine(src.raw, src.transfer, src.retry) as reads,
-        TransferEngine(dst.raw, dst.transfer, dst.retry) as writes,
-    ):
-        # An object under the single-PUT limit lends its read buffers to its writer, which holds them until
-        # the object ends and sends it in one PUT, as a direct save does (copied bytes would start a multipart
-        # upload at the second part: a create and a complete round trip more per object, and a copy).
-        limit = writes.config.single_put_limit(writes.config.part_size)
-
-        tally = Tally()
-
-        def one(name: str, size: int) -> None:
-            key = f"{dst.prefix}/{rename[name]}"
-            checker = stream_checker(regions.get(name, []), src.url(join_key(src.prefix, name)))
-            writer = open_writer(writes, key, size)
-            try:
-                _stream(reads, join_key(src.prefix, name), size, checker, writer, tally, borrow=size < limit)
-                writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-
-        _run_bounded(writes, sizes, one, bar, tally)
-
-
-def _run_bounded(writes: TransferEngine, sizes: dict[str, int], one: Any, bar: Progress, tally: Tally) -> None:
-    """Run ``one(name, size)`` for every object, at once as far as the upload's buffers go: each object takes
-    the part buffers it can hold at most (a small object's whole body waits for one PUT) plus one, from a
-    count of the budget's buffers, before it starts; so no upload waits on a buffer another one holds. After
-    a failure, the objects not started are not copied."""
-    config = writes.config
-    total = max(1, config.memory_budget // config.part_size)
-    free = [total]
-    failed = threading.Event()
-    cond = threading.Condition()
-    limit = config.single_put_limit(config.part_size)
-
-    def need(size: int) -> int:
-        return min(total, -(-min(size, limit) // config.part_size) + 1)
-
-    def run(name: str, size: int) -> None:
-        taken = need(size)
-        with cond:  # all of them at once: two objects holding some each could wait on each other
-            cond.wait_for(lambda: free[0] >= taken)
-            free[0] -= taken
-        try:
-            if not failed.is_set():
-                one(name, size)
-        except BaseException:
-            failed.set()
-            raise
-        finally:
-            with cond:
-                free[0] += taken
-                cond.notify_all()
-
-    workers = max(1, min(len(sizes), total))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-cloud-copy") as pool:
-        relay([pool.submit(run, name, size) for name, size in sizes.items()], bar, tally)
-
-
-def _stream(
-    engine: TransferEngine,
-    key: str,
-    size: int,
-    checker: StreamChecker,
-    writer: Any,
-    bar: Progress | None,
-    borrow: bool = False,
-) -> None:
-    """Read ``key`` in order through ``engine`` (bounded by its budget), checking and passing on each chunk
-    (``borrow``: lent to the writer, which keeps it until the object ends; the caller counts that memory)."""
-    chunk = max(1, engine.config.read_chunk_size)
-    budget = engine.budget
-    pending: deque[tuple[bytearray, Future[None]]] = deque()
-
-    def land() -> None:
-        buf, fut = pending.popleft()
-        try:
-            fut.result()
-            view = memoryview(buf)
-            checker.update(view)
-            if writer is not None and borrow:
-                writer.write_view(view, buf)
-            elif writer is not None:
-                writer.write(view)
-            if bar is not None:
-                bar.advance(len(buf))
-        finally:
-            budget.release(len(buf))
-
-    try:
-        for start in range(0, size, chunk):
-            length = min(chunk, size - start)
-            while pending and budget.used + length > budget.capacity:
-                land()
-            budget.acquire(length)
-            buf = bytearray(length)
-            pending.append((buf, engine.read_at(key, start, [memoryview(buf)])))
-        while pending:
-            land()
-        checker.finish()
-    finally:
-        for buf, fut in pending:  # after a failure: let reads end before their buffers go
-            fut.exception()
-            budget.release(len(buf))
+                stream_object(engine, key, size, stream_checker(regions[name], dst.url(key)), None, None)
 
 
 def _delete_unreferenced(dst: OpenedLocation, keep: set[str]) -> None:
