@@ -161,7 +161,7 @@ def test_a_base_without_hashes_uploads_everything_with_one_warning(
 
 def test_a_base_with_hashes_in_its_metadata_still_skips(s3_bucket: str, moto_s3_client: Any) -> None:
     """Checkpoints of earlier versions kept the hashes in .metadata (and version-1 footers): still a base."""
-    from dcp_cloud.dcp.save import incremental
+    from dcp_cloud.dcp.save import basematch
     from dcp_cloud.format.contenthash import digest
     from dcp_cloud.format.layout import META_ATTR, dump_metadata, load_metadata
 
@@ -173,7 +173,7 @@ def test_a_base_with_hashes_in_its_metadata_still_skips(s3_bucket: str, moto_s3_
     table: dict[str, list[tuple[int, bytes]]] = {}
     for index, info in metadata.storage_data.items():
         table.setdefault(info.relative_path, []).append((int(info.offset), digest(first[index.fqn])))
-    getattr(metadata.storage_meta, META_ATTR)[incremental.HASHES_KEY] = {
+    getattr(metadata.storage_meta, META_ATTR)[basematch.HASHES_KEY] = {
         path: b"".join(d for _, d in sorted(pairs)) for path, pairs in table.items()
     }
     moto_s3_client.put_object(Bucket=s3_bucket, Key=key, Body=dump_metadata(metadata))

@@ -56,7 +56,7 @@ from ..device.devicefeed import save_resolver, write_fed
 from ..device.hostpool import Lease
 from ..device.stagingconfig import StagingConfig
 from ..metashare import in_process_group
-from . import incremental
+from . import basematch, incremental
 from .commit import MetadataCommit
 from .itemtap import _ItemTap, write_tensor
 from .stager import PooledStager
@@ -72,7 +72,7 @@ class _ShardPlan:
 
     name: str
     #: Base items this rank's items may equal (incremental saves; see .incremental).
-    refs: dict[Any, incremental.BaseRef] | None = None
+    refs: dict[Any, basematch.BaseRef] | None = None
 
 
 class CloudWriter(CloudBase, MetadataCommit, StorageWriter, PooledStager):
@@ -173,8 +173,8 @@ class CloudWriter(CloudBase, MetadataCommit, StorageWriter, PooledStager):
                 "it, or save under a new checkpoint_id"
             )
         if self.base is not None:  # on every rank, before any collective step
-            base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
-            incremental.check_committed(self._retrying(), base)
+            base = basematch.parse_base(self.uri, self.base, self.backend.schemes)
+            basematch.check_committed(self._retrying(), base)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -227,8 +227,8 @@ class CloudWriter(CloudBase, MetadataCommit, StorageWriter, PooledStager):
         token = secrets.token_hex(6)
         index = None
         if self.base is not None:  # one GET of the base's metadata, on the coordinator only
-            base = incremental.parse_base(self.uri, self.base, self.backend.schemes)
-            index = incremental.read_base(self._retrying(), base, self.uri)
+            base = basematch.parse_base(self.uri, self.base, self.backend.schemes)
+            index = basematch.read_base(self._retrying(), base, self.uri)
             self._base_footers = index.footers
             self._base_tiled = index.tiled
         return [
@@ -236,7 +236,7 @@ class CloudWriter(CloudBase, MetadataCommit, StorageWriter, PooledStager):
                 plan,
                 storage_data=_ShardPlan(
                     shard_name(i, token, self.spread_prefixes),
-                    incremental.refs_for(plan, index) if index is not None else None,
+                    basematch.refs_for(plan, index) if index is not None else None,
                 ),
             )
             for i, plan in enumerate(plans)
