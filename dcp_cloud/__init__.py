@@ -67,7 +67,8 @@ from .maintenance import (
     verify,
 )
 from .planner.load import ScaleLoadPlanner
-from .planner.save import BalancedSavePlanner, ReplicaMismatchError
+from .planner.replicas import ReplicaMismatchError
+from .planner.save import BalancedSavePlanner
 from .run import CheckpointManager, LocalTier, PendingSave, RetentionPolicy, StepNaming, TierStats
 from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.azure.config import AzureConfig

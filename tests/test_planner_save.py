@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio, _create_write_item_for_tensor
 
-from dcp_cloud.planner.save import BalancedSavePlanner, ReplicaMismatchError, _key, _nbytes, balance_replicated
+from dcp_cloud.planner.replicas import ReplicaMismatchError, _key, _nbytes, balance_replicated
+from dcp_cloud.planner.save import BalancedSavePlanner
 from dcp_cloud.testing.ranks.multirank import run_ranks
 
 MiB = 1024 * 1024
@@ -378,7 +379,7 @@ def test_balance_replicated_is_deterministic_and_keeps_single_holders() -> None:
 def test_replica_fingerprint_of_a_one_element_strided_view() -> None:
     """A one-element slice of a strided tensor is contiguous to torch with a stride other than 1: its
     fingerprint must not take a byte view that assumes stride 1 (a bf16 replica made the save raise)."""
-    from dcp_cloud.planner.save import _fingerprint
+    from dcp_cloud.planner.replicas import _fingerprint
 
     base = torch.arange(4, dtype=torch.bfloat16)
     view = base[::2][1:2]  # the value 2.0, stride 2

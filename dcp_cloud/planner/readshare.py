@@ -10,7 +10,7 @@ among them: the owner fetches it and sends it to the others over the process
 group (see :mod:`dcp_cloud.dcp.load.sharedreads`).
 
 Owners are balanced by bytes, the mirror of the save side's
-:func:`~dcp_cloud.planner.save.balance_replicated`, counting each rank's own
+:func:`~dcp_cloud.planner.replicas.balance_replicated`, counting each rank's own
 unshared reads, and chosen for locality: the records that the same ranks
 want, in object and offset order, are cut into one consecutive run per rank,
 so an owner's records are neighbours in few objects and its fetch coalesces
