@@ -75,6 +75,7 @@ from .store.azure.config import AzureConfig
 from .store.clients import close_clients
 from .store.gcs.config import GCSConfig
 from .store.s3.config import S3Config
+from .store.s3.objectopts import S3ObjectOptions
 from .transfer.stats import TransferStats
 
 logging.getLogger("dcp_cloud").addHandler(logging.NullHandler())
@@ -125,6 +126,7 @@ __all__ = [
     "RetentionPolicy",
     "RetryConfig",
     "S3Config",
+    "S3ObjectOptions",
     "S3Reader",
     "S3Writer",
     "SafetensorsReader",

@@ -25,7 +25,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "TransferStats", "TransientStoreError", "VerifyReport", "gc", "list_checkpoints", "load", "save",
         "typed_errors", "verify",
     ),
-    "dcp_cloud.store.s3": ("MiB", "GiB", "S3_PART_LIMITS", "S3Config", "S3Store"),
+    "dcp_cloud.store.s3": ("MiB", "GiB", "S3_PART_LIMITS", "S3Config", "S3ObjectOptions", "S3Store"),
     "dcp_cloud.store.gcs": ("MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSStore"),
     "dcp_cloud.store.azure": (
         "AZURE_PART_LIMITS", "MAX_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PUT_BLOB_SIZE", "AzureConfig", "AzureStore",
@@ -161,6 +161,7 @@ AZURE_ALLOWED = {
     "dcp_cloud/dcp/factory.py": "writer_for / reader_for: the az row of the constructor table",
     "dcp_cloud/integrations/routing.py": "docstring: the URLs install() routes",
     "dcp_cloud/integrations/filesystem.py": "AzureFileSystem, the fsspec filesystem of each cloud",
+    "dcp_cloud/integrations/lightning.py": "the fsspec filesystem class of each cloud; AzureConfig among the configs",
     "dcp_cloud/locations/__init__.py": "docstring: the URIs and configs of the location seam",
     "dcp_cloud/locations/locate.py": "the location seam: Azure blob URLs and AzureConfig, once",
     "dcp_cloud/locations/backends.py": "AzureBackend, the picklable recipe that opens the store in each process",

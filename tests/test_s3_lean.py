@@ -313,10 +313,12 @@ def test_fallback_builds_botocore_once(s3_store: S3Store) -> None:
 @pytest.mark.parametrize(
     ("method", "op", "extra"),
     [
-        ("put_object", "PutObject", {"ServerSideEncryption": "AES256"}),
-        ("put_object", "PutObject", {"IfMatch": '"etag"', "StorageClass": "GLACIER"}),
+        ("put_object", "PutObject", {"ObjectLockMode": "GOVERNANCE"}),  # S3ObjectOptions rows aside, none
+        ("put_object", "PutObject", {"IfMatch": '"etag"', "ACL": "private"}),
         ("upload_part", "UploadPart", {"IfNoneMatch": "*"}),  # botocore's model has no precondition on a part
-        ("create_multipart_upload", "CreateMultipartUpload", {"StorageClass": "STANDARD_IA"}),
+        ("create_multipart_upload", "CreateMultipartUpload", {"ACL": "private"}),
+        ("get_object", "GetObject", {"VersionId": "v1"}),
+        ("head_object", "HeadObject", {"PartNumber": 1}),
         ("complete_multipart_upload", "CompleteMultipartUpload", {"ChecksumCRC32C": "AAAAAA=="}),
     ],
 )

@@ -281,16 +281,16 @@ def subtree(draw: Any, path: tuple[Any, ...], w1: int, w2: int) -> list[Item]:
 
 def default_case(w1: int, w2: int, target: str, kind: str, items: tuple[Item, ...]) -> Case:
     """A case with every option at its first value (the product's defaults; a plain, not incremental save)."""
-    first = {o.name: o.values[0] for o in OPTIONS if applicable(o, kind)}
+    first = {o.name: o.values[0] for o in OPTIONS if applicable(o, kind, target)}
     scopes = {o.name: o.scope for o in OPTIONS}
     options = {k: v for k, v in first.items() if scopes[k] != "transfer"}
     transfer = {k: v for k, v in first.items() if scopes[k] == "transfer"}
     return Case(w1, w2, target, items, options, transfer, dict(transfer))
 
 
-def option_values(kind: str, scopes: tuple[str, ...]) -> Any:
-    """A strategy for one drawn value of every option of ``scopes`` (that applies to ``kind``)."""
-    chosen = [o for o in OPTIONS if o.scope in scopes and applicable(o, kind)]
+def option_values(kind: str, target: str, scopes: tuple[str, ...]) -> Any:
+    """A strategy for one drawn value of every option of ``scopes`` (that applies to ``kind`` and ``target``)."""
+    chosen = [o for o in OPTIONS if o.scope in scopes and applicable(o, kind, target)]
     return st.fixed_dictionaries({o.name: st.sampled_from(o.values) for o in chosen})
 
 
@@ -304,14 +304,15 @@ def cases(draw: Any, targets: tuple[str, ...], kinds: dict[str, str]) -> Case:
     for i in range(draw(st.integers(1, 5))):
         items += draw(subtree((f"e{i}",), w1, w2))
     kind = kinds[target]
-    options = draw(option_values(kind, ("writer", "reader", "staging", "s3", "gcs", "azure", "save", "load", "case")))
+    scopes = ("writer", "reader", "staging", "s3", "gcs", "azure", "save", "load", "case")
+    options = draw(option_values(kind, target, scopes))
     case = Case(
         w1,
         w2,
         target,
         tuple(items),
         options,
-        draw(option_values(kind, ("transfer",))),
-        draw(option_values(kind, ("transfer",))),
+        draw(option_values(kind, target, ("transfer",))),
+        draw(option_values(kind, target, ("transfer",))),
     )
     return case

@@ -53,6 +53,9 @@ class Option:
     values: tuple[Any, ...]
     #: Target kinds it applies to (None: all).
     kinds: tuple[str, ...] | None = None
+    #: Target names it applies to, within its kinds (None: every target of those kinds); an option a server
+    #: cannot honour is not drawn there, so it neither wastes that store's cases nor shifts their draws.
+    targets: tuple[str, ...] | None = None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -94,6 +97,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("copy_threads", "staging", (DEFAULT, 1)),
     # -- S3Config ------------------------------------------------------------------------------------------
     Option("client", "s3", (DEFAULT, "botocore", "lean"), kinds=("s3",)),
+    #: S3ObjectOptions on moto (fuzz_targets.s3_object_options; RGW has no KMS or extra storage classes here,
+    #: so it is not drawn there): SSE-KMS (moto's default key, a Bucket Key), a storage class, tags.
+    Option(
+        "object_options",
+        "s3",
+        (DEFAULT, "sse_kms", "storage_class", "tags", "all"),
+        kinds=("s3",),
+        targets=("s3-moto",),
+    ),
     # -- GCSConfig -----------------------------------------------------------------------------------------
     Option("transport_checksums", "gcs", (DEFAULT, False), kinds=("gcs",)),
     # -- AzureConfig: its transport_checksums (DEFAULT on Azurite's http:// endpoint: a Content-MD5 on every
@@ -181,8 +193,8 @@ class Target:
 STORES = ("moto+local", "rgw", "gcs", "azure")
 
 
-def applicable(option: Option, kind: str) -> bool:
-    return option.kinds is None or kind in option.kinds
+def applicable(option: Option, kind: str, target: str) -> bool:
+    return (option.kinds is None or kind in option.kinds) and (option.targets is None or target in option.targets)
 
 
 def by_scope(values: dict[str, Any], scope: str) -> dict[str, Any]:

@@ -45,6 +45,27 @@ def transfer_kwargs(target: Target, values: dict[str, Any]) -> dict[str, Any]:
     return {k: (target.min_part_size if v == MIN_PART else v) for k, v in values.items()}
 
 
+def s3_object_options(target: Target, drawn: str) -> Any:
+    """The S3ObjectOptions a case's ``object_options`` draw names (moto only; None elsewhere)."""
+    from dcp_cloud.store.s3 import S3ObjectOptions
+
+    if not target.name.startswith("s3-moto"):
+        return None
+    kms = {"sse": "aws:kms", "bucket_key": True}
+    cls = {"storage_class": "STANDARD_IA"}
+    tags = {"tags": {"fuzz": "yes", "run id": "a/b c"}}
+    choice = {"sse_kms": kms, "storage_class": cls, "tags": tags, "all": {**kms, **cls, **tags}}[drawn]
+    return S3ObjectOptions(**choice)  # type: ignore[arg-type]
+
+
+def s3_store_kwargs(target: Target, store: dict[str, Any]) -> dict[str, Any]:
+    """S3Config keywords of a case's ``s3`` draws (``object_options`` named by a string becomes the options)."""
+    kwargs = dict(store)
+    if "object_options" in kwargs:
+        kwargs["object_options"] = s3_object_options(target, kwargs["object_options"])
+    return kwargs
+
+
 def writer(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
     """Our writer for ``uri`` on ``target``; ``store``: the case's S3Config, GCSConfig or AzureConfig keywords."""
     import dcp_cloud
@@ -54,7 +75,7 @@ def writer(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
         from dcp_cloud.store.s3 import S3Config
 
         limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
-        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
+        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **s3_store_kwargs(target, store))
         return dcp_cloud.S3Writer(uri, config=config, part_limits=limits, **kw)
     if target.kind == "gcs":
         return dcp_cloud.GCSWriter(uri, config=_gcs_config(target, store), **kw)
@@ -69,7 +90,7 @@ def reader(target: Target, uri: str, store: dict[str, Any], **kw: Any) -> Any:
     if target.kind == "s3":
         from dcp_cloud.store.s3 import S3Config
 
-        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **store)
+        config = S3Config(endpoint_url=target.endpoint_url, region=target.region, **s3_store_kwargs(target, store))
         return dcp_cloud.S3Reader(uri, config=config, **kw)
     if target.kind == "gcs":
         return dcp_cloud.GCSReader(uri, config=_gcs_config(target, store), **kw)
@@ -104,7 +125,9 @@ def store_config(target: Target, store: dict[str, Any]) -> Any:
         from dcp_cloud.store.s3 import S3Config
 
         limits = PartLimits(target.min_part_size, target.max_part_size, target.max_parts)
-        return S3Config(endpoint_url=target.endpoint_url, region=target.region, part_limits=limits, **store)
+        return S3Config(
+            endpoint_url=target.endpoint_url, region=target.region, part_limits=limits, **s3_store_kwargs(target, store)
+        )
     if target.kind == "gcs":
         return _gcs_config(target, store)
     if target.kind == "azure":

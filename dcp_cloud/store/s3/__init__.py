@@ -22,6 +22,7 @@ function :func:`_translate` decides which one.
 
 from .config import S3Config
 from .errors import _translate  # noqa: F401 - imported from here by the tests
+from .objectopts import S3ObjectOptions
 from .store import S3_PART_LIMITS, GiB, MiB, S3Store  # noqa: F401 - MiB, GiB: public names of the old module
 
-__all__ = ["S3_PART_LIMITS", "S3Config", "S3Store"]
+__all__ = ["S3_PART_LIMITS", "S3Config", "S3ObjectOptions", "S3Store"]

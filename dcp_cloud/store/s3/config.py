@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from ...errors import ConfigError
 from ..protocol import PartLimits
+from .objectopts import S3ObjectOptions
 
 _ADDRESSING_STYLES = ("auto", "path", "virtual")
 _CLIENTS = ("auto", "botocore", "lean")
@@ -58,6 +59,10 @@ class S3Config:
     #: Multipart size rules of an S3-compatible server whose rules differ from S3's (smallest part, largest
     #: part, most parts). ``None``: S3's (5 MiB, 5 GiB, 10,000 parts).
     part_limits: PartLimits | None = None
+    #: Encryption (SSE-S3, SSE-KMS, SSE-C), storage class, tags, requester pays and expected bucket owner of
+    #: every object and request: see :class:`~dcp_cloud.store.s3.objectopts.S3ObjectOptions`. ``None``: the
+    #: bucket's defaults.
+    object_options: S3ObjectOptions | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -103,3 +108,9 @@ class S3Config:
             self.part_limits is None or isinstance(self.part_limits, PartLimits),
             f"part_limits must be a PartLimits or None, got {type(self.part_limits).__name__}",
         )
+        _require(
+            self.object_options is None or isinstance(self.object_options, S3ObjectOptions),
+            f"object_options must be an S3ObjectOptions or None, got {type(self.object_options).__name__}",
+        )
+        if self.object_options is not None:
+            self.object_options.check_endpoint(self.endpoint_url)

@@ -25,6 +25,8 @@ class S3Store(Protocol):
 
     def _full_client(self) -> Any: ...
 
+    def _opts(self, op: str) -> dict[str, Any]: ...
+
     def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError: ...
 
 
@@ -34,12 +36,12 @@ def copy_object(store: S3Store, source_key: str, key: str, source_bucket: str | 
     source = {"Bucket": bucket, "Key": source_key}
     client = store._full_client()
     try:
-        size = int(client.head_object(**source)["ContentLength"])
+        size = int(client.head_object(**source, **store._opts("HeadObject"))["ContentLength"])
     except Exception as exc:
         raise store._fail(exc, source_key, "read") from exc
     if size <= store.copy_part_size:
         try:
-            response = client.copy_object(Bucket=store.bucket, Key=key, CopySource=source)
+            response = client.copy_object(Bucket=store.bucket, Key=key, CopySource=source, **store._opts("CopyObject"))
         except Exception as exc:
             raise store._fail(exc, key, "copy into") from exc
         if "CopyObjectResult" not in response:  # botocore parses any body, even a web page, into an empty answer
@@ -57,7 +59,9 @@ def _copy_in_parts(store: S3Store, client: Any, source: dict[str, str], key: str
     while -(-size // part) > store.limits.max_parts:
         part *= 2
     try:
-        upload_id = client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+        upload_id = client.create_multipart_upload(
+            Bucket=store.bucket, Key=key, **store._opts("CreateMultipartUpload")
+        )["UploadId"]
     except Exception as exc:
         raise store._fail(exc, key, "start a copy into") from exc
     try:
@@ -71,14 +75,21 @@ def _copy_in_parts(store: S3Store, client: Any, source: dict[str, str], key: str
                 PartNumber=number,
                 CopySource=source,
                 CopySourceRange=f"bytes={start}-{end}",
+                **store._opts("UploadPartCopy"),
             )
             parts.append({"PartNumber": number, "ETag": response["CopyPartResult"]["ETag"]})
         response = client.complete_multipart_upload(
-            Bucket=store.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            Bucket=store.bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": parts},
+            **store._opts("CompleteMultipartUpload"),
         )
     except Exception as exc:
         try:
-            client.abort_multipart_upload(Bucket=store.bucket, Key=key, UploadId=upload_id)
+            client.abort_multipart_upload(
+                Bucket=store.bucket, Key=key, UploadId=upload_id, **store._opts("AbortMultipartUpload")
+            )
         except Exception:  # noqa: BLE001 - the copy's own error is the one to report
             pass
         raise store._fail(exc, key, "copy into") from exc

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError
+from .objectopts import OPTION_PARAMS, WIRE, wire_value
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,12 @@ class RequestOptions:
 
 
 def wire_headers(op: str, params: Mapping[str, Any]) -> dict[str, str]:
-    """The HTTP headers of botocore keyword arguments ``params`` of ``op``, in :data:`HEADERS` order (falsy
-    values are not sent). ConfigError for a keyword without a row: it would be dropped, not sent."""
+    """The HTTP headers of botocore keyword arguments ``params`` of ``op``: :data:`HEADERS` rows in order, then
+    the bucket options of :mod:`.objectopts` (falsy values are not sent). ConfigError for a keyword without a
+    row: it would be dropped, not sent."""
     rows = HEADERS.get(op, ())
-    known = {h.param for h in rows}
+    options = OPTION_PARAMS.get(op, ())
+    known = {h.param for h in rows} | set(options)
     unknown = sorted(name for name in params if name not in known)
     if unknown:
         raise ConfigError(
@@ -81,7 +84,9 @@ def wire_headers(op: str, params: Mapping[str, Any]) -> dict[str, str]:
             f"{', '.join(sorted(known)) or 'no options'} there): map it in dcp_cloud/store/s3/headers.py, or use "
             'S3Config(client="botocore")'
         )
-    return {h.wire: str(params[h.param]) for h in rows if params.get(h.param)}
+    headers = {h.wire: str(params[h.param]) for h in rows if params.get(h.param)}
+    headers.update({WIRE[name]: wire_value(params[name]) for name in options if params.get(name) is not None})
+    return headers
 
 
 __all__ = ["HEADERS", "Header", "RequestOptions", "wire_headers"]

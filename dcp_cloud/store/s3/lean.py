@@ -235,11 +235,12 @@ class LeanS3Client:
 
     # -- operations (botocore's names and arguments) ---------------------------
 
-    def head_bucket(self, *, Bucket: str) -> dict[str, Any]:  # noqa: N803 - botocore's argument names
-        return {"ResponseMetadata": self._metadata(self._send("HeadBucket", "HEAD", Bucket))}
+    def head_bucket(self, *, Bucket: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803 - botocore's names
+        response = self._send("HeadBucket", "HEAD", Bucket, headers=wire_headers("HeadBucket", kwargs))
+        return {"ResponseMetadata": self._metadata(response)}
 
-    def head_object(self, *, Bucket: str, Key: str) -> dict[str, Any]:  # noqa: N803
-        response = self._send("HeadObject", "HEAD", Bucket, Key)
+    def head_object(self, *, Bucket: str, Key: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
+        response = self._send("HeadObject", "HEAD", Bucket, Key, headers=wire_headers("HeadObject", kwargs))
         headers = response.headers
         modified = headers.get("last-modified")
         return {
@@ -249,8 +250,10 @@ class LeanS3Client:
             "ResponseMetadata": self._metadata(response),
         }
 
-    def get_object(self, *, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:  # noqa: N803
-        response = self._send("GetObject", "GET", Bucket, Key, headers={"range": Range} if Range else None, stream=True)
+    def get_object(self, *, Bucket: str, Key: str, Range: str | None = None, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
+        headers = {"range": Range} if Range else {}
+        headers.update(wire_headers("GetObject", kwargs))
+        response = self._send("GetObject", "GET", Bucket, Key, headers=headers, stream=True)
         headers = response.headers
         return {
             "Body": _Body(response),
@@ -331,18 +334,20 @@ class LeanS3Client:
             )
         return {"ETag": answer["ETag"], "ResponseMetadata": self._metadata(response)}
 
-    def abort_multipart_upload(self, *, Bucket: str, Key: str, UploadId: str) -> dict[str, Any]:  # noqa: N803
-        response = self._send("AbortMultipartUpload", "DELETE", Bucket, Key, query={"uploadId": UploadId})
+    def abort_multipart_upload(self, *, Bucket: str, Key: str, UploadId: str, **kwargs: Any) -> dict[str, Any]:  # noqa: N803
+        headers = wire_headers("AbortMultipartUpload", kwargs)
+        response = self._send(
+            "AbortMultipartUpload", "DELETE", Bucket, Key, query={"uploadId": UploadId}, headers=headers
+        )
         return {"ResponseMetadata": self._metadata(response)}
 
-    def delete_objects(self, *, Bucket: str, Delete: dict[str, Any]) -> dict[str, Any]:  # noqa: N803
+    def delete_objects(self, *, Bucket: str, Delete: dict[str, Any], **kwargs: Any) -> dict[str, Any]:  # noqa: N803
         keys = "".join(f"<Object><Key>{escape(o['Key'])}</Key></Object>" for o in Delete.get("Objects", ()))
         quiet = "<Quiet>true</Quiet>" if Delete.get("Quiet") else ""
         body = f"<Delete {_XMLNS}>{quiet}{keys}</Delete>".encode()
         md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
-        response = self._send(
-            "DeleteObjects", "POST", Bucket, query={"delete": ""}, headers={"content-md5": md5}, body=[body]
-        )
+        headers = {"content-md5": md5, **wire_headers("DeleteObjects", kwargs)}
+        response = self._send("DeleteObjects", "POST", Bucket, query={"delete": ""}, headers=headers, body=[body])
         errors = parse_delete(response.data)
         return {"Errors": errors, "ResponseMetadata": self._metadata(response)}
 
@@ -353,11 +358,14 @@ class LeanS3Client:
         Prefix: str = "",  # noqa: N803
         MaxKeys: int = 1000,  # noqa: N803
         ContinuationToken: str | None = None,  # noqa: N803
+        **kwargs: Any,
     ) -> dict[str, Any]:
         query = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
         if ContinuationToken:
             query["continuation-token"] = ContinuationToken
-        response = self._send("ListObjectsV2", "GET", Bucket, query=query)
+        response = self._send(
+            "ListObjectsV2", "GET", Bucket, query=query, headers=wire_headers("ListObjectsV2", kwargs)
+        )
         page = parse_list_v2(response.data)
         page["ResponseMetadata"] = self._metadata(response)
         return page

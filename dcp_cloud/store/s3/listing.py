@@ -34,13 +34,14 @@ def _check_page(page: dict[str, Any], found: int, where: str) -> None:
 
 class _S3Listings:
     """The listing methods of :class:`~dcp_cloud.store.s3.store.S3Store` (a mixin that relies on the store's
-    ``bucket``, ``_list_page_size``, ``url``, ``_client``, ``_full_client`` and ``_fail``)."""
+    ``bucket``, ``_list_page_size``, ``url``, ``_client``, ``_full_client``, ``_opts`` and ``_fail``)."""
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         try:
             token: str | None = None
             while True:
                 kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": self._list_page_size}
+                kwargs.update(self._opts("ListObjectsV2"))
                 if token:
                     kwargs["ContinuationToken"] = token
                 page = self._client().list_objects_v2(**kwargs)
@@ -64,7 +65,12 @@ class _S3Listings:
             pages = (
                 self._full_client()
                 .get_paginator("list_multipart_uploads")
-                .paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": self._list_page_size})
+                .paginate(
+                    Bucket=self.bucket,
+                    Prefix=prefix,
+                    PaginationConfig={"PageSize": self._list_page_size},
+                    **self._opts("ListMultipartUploads"),
+                )
             )
             for page in pages:
                 if not any(name in page for name in ("Bucket", "IsTruncated", "MaxUploads")):

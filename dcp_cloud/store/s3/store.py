@@ -22,6 +22,7 @@ from .errors import _s3_url, _translate
 from .headers import RequestOptions
 from .lean import LeanS3Client
 from .listing import _S3Listings
+from .objectopts import option_params
 from .responses import _etag, _server_time, _timestamp
 
 MiB = 1024 * 1024
@@ -132,8 +133,14 @@ class S3Store(_S3Listings):
     def _make_client(self) -> Any:
         """The lean client where :func:`lean_settings` allows it (see S3Config.client), else botocore's."""
         settings = lean_settings(self.config)
+        options = self.config.object_options
         if settings is None:
-            return self._make_botocore_client()
+            client = self._make_botocore_client()
+            if options is not None:
+                options.check_endpoint(client.meta.endpoint_url)
+            return client
+        if options is not None:
+            options.check_endpoint(settings.endpoint_url)
         return LeanS3Client(
             settings,
             profile=self.config.profile,
@@ -211,6 +218,10 @@ class S3Store(_S3Listings):
     def _fail(self, exc: BaseException, key: str | None, action: str) -> DcpCloudError:
         return _translate(exc, self.bucket, key, action)
 
+    def _opts(self, op: str) -> dict[str, Any]:
+        """The bucket options (S3Config.object_options) that request ``op`` carries, as botocore keywords."""
+        return option_params(self.config.object_options, op)
+
     def _body_options(self, crc32c: int | None, create_only: bool = False) -> RequestOptions:
         """A body's CRC32C (where transport checksums are on) and the create-only precondition."""
         precondition = "*" if create_only else None
@@ -222,7 +233,7 @@ class S3Store(_S3Listings):
 
     def check_bucket(self) -> None:
         try:
-            self._client().head_bucket(Bucket=self.bucket)
+            self._client().head_bucket(Bucket=self.bucket, **self._opts("HeadBucket"))
         except Exception as exc:
             raise self._fail(exc, None, "use the bucket") from exc
 
@@ -232,7 +243,7 @@ class S3Store(_S3Listings):
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": body, "ContentLength": size}
         if self.config.transport_checksums and crc32c is None:
             crc32c = payload_crc32c(views)
-        kwargs.update(self._body_options(crc32c, create_only).params("PutObject"))
+        kwargs.update(self._body_options(crc32c, create_only).params("PutObject"), **self._opts("PutObject"))
         try:
             response = self._client().put_object(**kwargs)
         except Exception as exc:
@@ -248,7 +259,7 @@ class S3Store(_S3Listings):
             raise CorruptCheckpointError(f"{self.url(key)}: negative read offset {start}")
         try:
             response = self._client().get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}"
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}", **self._opts("GetObject")
             )
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
@@ -270,14 +281,14 @@ class S3Store(_S3Listings):
 
     def get(self, key: str) -> bytes:
         try:
-            response = self._client().get_object(Bucket=self.bucket, Key=key)
+            response = self._client().get_object(Bucket=self.bucket, Key=key, **self._opts("GetObject"))
             return response["Body"].read()
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
 
     def head(self, key: str) -> ObjectInfo:
         try:
-            response = self._client().head_object(Bucket=self.bucket, Key=key)
+            response = self._client().head_object(Bucket=self.bucket, Key=key, **self._opts("HeadObject"))
         except Exception as exc:
             raise self._fail(exc, key, "read") from exc
         return ObjectInfo(
@@ -290,7 +301,9 @@ class S3Store(_S3Listings):
             batch = keys[i : i + _DELETE_BATCH]
             try:
                 response = self._client().delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                    **self._opts("DeleteObjects"),
                 )
             except Exception as exc:
                 raise self._fail(exc, batch[0], "delete") from exc
@@ -311,6 +324,7 @@ class S3Store(_S3Listings):
         # Declared up front: S3 rejects part checksums of an upload created without one.
         declared = RequestOptions(checksum_algorithm="CRC32C" if self.config.transport_checksums else None)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, **declared.params("CreateMultipartUpload")}
+        kwargs.update(self._opts("CreateMultipartUpload"))
         try:
             return self._client().create_multipart_upload(**kwargs)["UploadId"]
         except Exception as exc:
@@ -334,6 +348,7 @@ class S3Store(_S3Listings):
                 Body=body,
                 ContentLength=size,
                 **checksum,
+                **self._opts("UploadPart"),
             )
         except Exception as exc:
             raise self._fail(exc, key, f"upload part {number} of") from exc
@@ -358,6 +373,7 @@ class S3Store(_S3Listings):
             "UploadId": upload_id,
             "MultipartUpload": {"Parts": listed},
             **RequestOptions(if_none_match="*" if create_only else None).params("CompleteMultipartUpload"),
+            **self._opts("CompleteMultipartUpload"),
         }
         try:
             response = self._client().complete_multipart_upload(**kwargs)
@@ -369,7 +385,9 @@ class S3Store(_S3Listings):
         from botocore.exceptions import ClientError
 
         try:
-            self._client().abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            self._client().abort_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, **self._opts("AbortMultipartUpload")
+            )
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
                 return

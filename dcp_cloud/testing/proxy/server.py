@@ -56,6 +56,7 @@ class FaultProxy(_ConnectionServing):
         connect_timeout: float = 10.0,
         shaping: Shaping | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        record_requests: bool = False,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -94,6 +95,9 @@ class FaultProxy(_ConnectionServing):
         self._conns: dict[int, tuple[threading.Thread, list[socket.socket]]] = {}
         self._next_conn = 0
         self._error_seq = 0
+        #: With ``record_requests``, every request's method, path, query and headers, in arrival order (for
+        #: tests that check what reached the wire; the bodies are not kept).
+        self.requests: list[RequestInfo] | None = [] if record_requests else None
 
     # -- configuration ------------------------------------------------------
 
@@ -190,6 +194,8 @@ class FaultProxy(_ConnectionServing):
 
     def _draw(self, request: RequestInfo) -> _Fault | None:
         with self._counters.lock:
+            if self.requests is not None:
+                self.requests.append(request)
             fault = _draw_fault(self._plan, self._rng, self._decided, request)
             if fault is not None:
                 self._decided += 1
