@@ -192,3 +192,44 @@ def test_demo_saves_on_2_and_loads_on_3_ranks() -> None:
     assert endpoint is not None
     port = endpoint.group(1).rsplit(":", 1)[1]
     assert _processes_mentioning(f"-p {port}") == []  # the embedded server is gone
+
+
+def test_s3_bucket_options_reach_the_copy_and_an_sse_c_key_comes_from_a_file(
+    moto_server: object, s3_bucket: str, moto_s3_client: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dcp_cloud.testing.proxy import FaultProxy
+
+    endpoint = moto_server.endpoint_url  # type: ignore[attr-defined]
+    dcp_cloud.save(_state(), storage_writer=S3Writer(f"s3://{s3_bucket}/src"))
+    argv = ["cp", f"s3://{s3_bucket}/src", f"s3://{s3_bucket}/dst", "--sse", "AES256", "--storage-class"]
+    assert main([*argv, "STANDARD_IA", "--tag", "team=ml", "--tag", "run=7", "-q"]) == 0
+    s3 = moto_s3_client
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="dst/")["Contents"]]  # type: ignore[attr-defined]
+    assert any(k.endswith(".metadata") for k in keys) and len(keys) >= 2
+    for key in keys:
+        head = s3.head_object(Bucket=s3_bucket, Key=key)  # type: ignore[attr-defined]
+        assert (head.get("ServerSideEncryption"), head.get("StorageClass")) == ("AES256", "STANDARD_IA"), key
+        tags = s3.get_object_tagging(Bucket=s3_bucket, Key=key)["TagSet"]  # type: ignore[attr-defined]
+        assert sorted((t["Key"], t["Value"]) for t in tags) == [("run", "7"), ("team", "ml")], key
+
+    key = bytes(range(32))
+    key_file = tmp_path / "key"
+    key_file.write_bytes(__import__("base64").b64encode(key) + b"\n")
+    capsys.readouterr()
+    with FaultProxy(endpoint, record_requests=True) as proxy:
+        sse_c = ["--endpoint", proxy.url, "--sse-customer-key-file", str(key_file)]
+        assert main(["verify", f"s3://{s3_bucket}/dst", *sse_c, "--allow-sse-customer-key-over-http", "-q"]) == 0
+        gets = [r for r in proxy.requests or () if r.method == "GET" and r.path.startswith(f"/{s3_bucket}/dst/")]
+    assert gets, "verify read nothing"
+    md5 = __import__("base64").b64encode(__import__("hashlib").md5(key).digest()).decode()
+    for request in gets:
+        assert request.headers.get("x-amz-server-side-encryption-customer-key-md5") == md5, request.path
+    # Over plain http without the allowance, and with a malformed key file: usage errors, the key never shown.
+    assert main(["verify", f"s3://{s3_bucket}/dst", *sse_c, "-q"]) == 2
+    (tmp_path / "short").write_bytes(b"x" * 31)
+    bad = ["verify", f"s3://{s3_bucket}/dst", "--sse-customer-key-file", str(tmp_path / "short"), "-q"]
+    assert main(bad) == 2
+    assert main(["ls", "gs://b/run", "--sse", "AES256"]) == 2
+    err = capsys.readouterr().err
+    assert "only over https" in err and "neither 32 raw bytes" in err and "cannot be used with gs://" in err
+    assert __import__("base64").b64encode(key).decode() not in err

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from ..errors import ConfigError
+from . import objectargs
 from .bars import Bars
 
 PROG = "dcp-cloud"
@@ -18,10 +20,17 @@ class UsageError(Exception):
     """A command line that parses but cannot be run (exit status 2)."""
 
 
-def store_config(args: argparse.Namespace, uri: str | None = None) -> Any:
-    """The options of the URI's cloud from ``--endpoint``, ``--region``, ``--project``, ``--account`` (an
-    ``S3Config``, ``GCSConfig`` or ``AzureConfig``; None when none is given); options of another cloud are a
-    usage error."""
+def _object_options(args: argparse.Namespace) -> Any:
+    try:
+        return objectargs.object_options(args)
+    except (objectargs.ObjectArgError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def store_config(args: argparse.Namespace, uri: str | None = None, *, strict: bool = True) -> Any:
+    """The options of the URI's cloud from ``--endpoint``, ``--region``, ``--project``, ``--account`` and the
+    S3 bucket options (an ``S3Config``, ``GCSConfig`` or ``AzureConfig``; None when none is given); with
+    ``strict``, options of another cloud are a usage error (otherwise they are not applied to this URI)."""
     from ..locations import config_with, scheme_of
 
     uri = args.uri if uri is None else uri
@@ -35,9 +44,17 @@ def store_config(args: argparse.Namespace, uri: str | None = None) -> Any:
     }
     mapping = accepted.get(scheme, {})
     wrong = [f"--{name}" for name in given if name not in mapping]
-    if wrong:
+    if scheme != "s3":
+        wrong += objectargs.given(args)
+    if wrong and strict:
         raise UsageError(f"{', '.join(wrong)} cannot be used with {scheme or 'this'}:// URIs")
-    return config_with(scheme, None, **{mapping[name]: value for name, value in given.items()})
+    keywords = {mapping[name]: value for name, value in given.items() if name in mapping}
+    if scheme == "s3":
+        keywords["object_options"] = _object_options(args)
+    try:
+        return config_with(scheme, None, **keywords)
+    except ConfigError as exc:  # options that cannot go together (an SSE-C key to an http:// endpoint)
+        raise UsageError(str(exc)) from None
 
 
 def size(n: int) -> str:
@@ -185,8 +202,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
+    from ..locations import scheme_of
     from ..maintenance import copy_checkpoint
 
+    if objectargs.given(args) and "s3" not in (scheme_of(args.source), scheme_of(args.destination)):
+        raise UsageError(f"{', '.join(objectargs.given(args))} apply to s3:// ends, and neither end is one")
     report = copy_checkpoint(
         args.source,
         args.destination,
@@ -194,6 +214,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         standalone=args.standalone,
         progress=_bars(args),
+        source_config=store_config(args, args.source, strict=False),
+        destination_config=store_config(args, args.destination, strict=False),
     )
     if args.json:
         _json(report)

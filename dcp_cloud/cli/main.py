@@ -18,6 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from . import objectargs
 from .commands import COMMANDS, PROG, UsageError
 
 _DESCRIPTION = """\
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--account", help="Azure storage account (default: AZURE_STORAGE_ACCOUNT / the connection string)"
     )
+    objectargs.add_arguments(store)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = commands.add_parser(
@@ -225,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="copy an incremental checkpoint with the base objects it references, into a self-contained one",
     )
+    objectargs.add_arguments(cp)  # to every s3:// end: the copy's new objects, an SSE-C source's reads
 
     export = commands.add_parser(
         "export",
