@@ -101,8 +101,10 @@ def _translate(exc: BaseException, bucket: str, key: str | None, action: str = "
                 "the system clock is off; sync it (NTP)"
                 if code == "RequestTimeTooSkewed"
                 else "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE, "
-                f"and that the identity may {action} in bucket {bucket!r} (S3 also answers 403 for a "
-                "missing key when the identity may not list the bucket)"
+                f"that the identity may {action} {where}, and that the bucket's policy does not demand "
+                "headers this request lacks (encryption, storage class, tags: S3Config(object_options="
+                "S3ObjectOptions(...))); S3 also answers 403 for a missing key when the identity may not "
+                "list the bucket"
             )
             return AccessDeniedError(f"access denied to {where} ({detail}): {hint}")
         if code == "NoSuchKey" or (status == 404 and code in ("", "404", "NotFound")):
