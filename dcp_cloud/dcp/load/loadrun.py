@@ -1,21 +1,13 @@
-"""One ``read_data`` call: the reads of a load plan, coalesced across items, landing in the destinations.
+"""One ``read_data`` call: the reads of a load plan, landing in the destinations within the byte budget.
 
-For every item with raw offsets (anything dcp_cloud wrote) the run computes
-the byte segments it needs (exact runs of the requested box, widened to
-whole checksum blocks when verifying), then packs the segments of each object
-into few ranged GETs (:func:`~dcp_cloud.dcp.load.readplan.iter_requests`). A
-request's body is scattered straight into the destination tensors where the
-layout allows (CPU, contiguous, same dtype and shape); otherwise into a
-temporary from the byte budget that is copied over when the item is
-complete. Gaps between items (torch.save framing, items nobody asked for)
-land in one small discard buffer. Each request verifies the blocks of every
-item it holds, in the worker that read it; a mismatching block is read once
-more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names the item.
-An item planned from guessed extras (:mod:`.prediction`) is confirmed by the
-same check, against its footer, before it is verified or committed. Where an
-object's items go in one request that ends by the object's footer, the footer
-is that request's tail (:class:`~dcp_cloud.format.footer.Rider`): one GET for the
-object, and no read ever waits for a footer queued behind it.
+Items with raw offsets (anything dcp_cloud wrote) are read with the coalesced
+ranged requests of :class:`~dcp_cloud.dcp.load.coalescing.RequestBuilder`;
+the run gives their bytes somewhere to land. A request's body is scattered
+straight into the destination tensors where the layout allows (CPU,
+contiguous, same dtype and shape); otherwise into a temporary from the byte
+budget that is copied over when the item is complete. A mismatching block is
+read once more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names
+the item (:mod:`.readcheck`).
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
 one request each.
@@ -37,32 +29,31 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ...config import TransferConfig
-from ...errors import CorruptCheckpointError, DcpCloudError
+from ...errors import DcpCloudError
 from ...format.footer import Rider
 from ...format.layout import ItemExtras
 from ...format.torchprivate import pickles_tensor_metadata
 from ...transfer.engine import TransferEngine
 from ...transfer.stats import StatsRecorder
 from ..device.cudapaths import plain, routed
-from ..device.landing import DeviceSpan, Landing, Move, open_landing
+from ..device.landing import DeviceSpan, Landing, open_landing
 from ..device.ringstage import flat_bytes
 from ..device.stagingconfig import StagingConfig
 from .chunks import ChunkIndex
+from .coalescing import RequestBuilder
 from .handover import hand_over, hand_over_whole
-from .loaditem import LoadItem, plan_load_item
-from .prediction import Guess
+from .loaditem import LoadItem
 from .readcheck import ReadVerifier
-from .readplan import FRAMING_GAP, TAIL_SLACK, Request, Segment, iter_requests, tiled_request_size
+from .readplan import TAIL_SLACK
 
 log = logging.getLogger("dcp_cloud")
 
@@ -107,29 +98,10 @@ class LoadRun:
         self.verifier = ReadVerifier(engine.store, recorder)
         self.checkpoint_id = checkpoint_id
         self.pending: deque[_Pending] = deque()
-        self._discard = memoryview(bytearray(0))
-        self._reserved = 0
         #: Bytes of the budget this run holds (every lease not yet returned).
         self._held = 0
-        # The request being built: object bytes [_b_start, _b_end) of _b_key.
-        self._b_key = ""
-        self._b_url = ""
-        self._b_start = 0
-        self._b_end = 0
-        self._b_outs: list[memoryview] = []
-        self._b_checks: list[tuple[LoadItem, int, list[memoryview]]] = []
-        self._b_done: list[LoadItem] = []
-        #: The footer that rides on the request being built, if that request ends up whole (see read_object).
-        self._rider: Rider | None = None
-        #: The footer of the object being read when it may ride on the object's last request: its earlier
-        #: requests do not wait for it in their workers (see _send).
-        self._late: Rider | None = None
-        #: Device bytes of the request being built: their copies to make when it lands, and their lease.
-        self._b_moves: list[Move] = []
-        self._b_lease = 0
-        #: Whether requests check their bytes step by step as they are read (see _stages): where the store
-        #: reads in stages (a local directory).
-        self.stepped = engine.store.capabilities.staged_reads
+        #: Coalesces the items of each object into ranged requests (and holds the request being built).
+        self.requests = RequestBuilder(self, engine, transfer, self.verifier, chunks, checkpoint_id, self.chunk)
 
     # -- driving ----------------------------------------------------------
     def drain(self) -> None:
@@ -146,18 +118,19 @@ class LoadRun:
             for fut in job.futures:
                 fut.exception()
         self.pending.clear()
-        self._b_outs, self._b_checks, self._b_done = [], [], []
-        self._b_moves, self._b_lease = [], 0
-        self._rider = self._late = None
+        self.requests.reset()
         self.close_landing()
         self._give(self._held)
-        self._reserved = 0
-        self._discard = memoryview(bytearray(0))
 
     def _give(self, nbytes: int) -> None:
         """Return ``nbytes`` of this run's leases to the budget."""
         self._held -= nbytes
         self.engine.budget.release(nbytes)
+
+    def queue(self, futures: list[Future[None]], finish: Callable[[], None], lease: int, what: str) -> None:
+        """Keep reads in flight until they are landed (in order): then ``finish`` runs and ``lease`` is
+        returned; ``what`` names them in errors."""
+        self.pending.append(_Pending(futures, finish, lease, what))
 
     def land(self, job: _Pending) -> None:
         try:
@@ -185,22 +158,22 @@ class LoadRun:
         budget = self.engine.budget
         stuck = False
         while budget.used + nbytes > budget.capacity:
-            if not self._make_room():
+            if not self.make_room():
                 stuck = True
                 break
-        grant = max(0, min(nbytes, budget.capacity - self._reserved))
+        grant = max(0, min(nbytes, budget.capacity - self.requests.reserved))
         if stuck:
             grant = min(grant, max(0, budget.capacity - budget.used))
         budget.acquire(grant)
         self._held += grant
         return grant
 
-    def _make_room(self) -> bool:
+    def make_room(self) -> bool:
         """Land the oldest request in flight, or else send the one being built; False where there is neither."""
         if self.pending:
             self.land(self.pending.popleft())
-        elif self._b_outs:
-            self._send()
+        elif self.requests.building:
+            self.requests.send()
         else:
             return False
         return True
@@ -233,29 +206,30 @@ class LoadRun:
         def finish() -> None:
             hand_over_whole(planner, req, info, buf, transforms, what, raw)
 
-        self.pending.append(_Pending(futures, finish, lease, what))
+        self.queue(futures, finish, lease, what)
 
     # -- coalesced items --------------------------------------------------
-    def plan_item(
+    def read_object(
         self,
         key: str,
-        info: Any,
-        extras: ItemExtras,
-        what: str,
-        wanted: Sequence[tuple[ReadItem, torch.Tensor | None]],
-    ) -> LoadItem:
-        """The segments that the pieces ``wanted`` (``(req, sink)``, all of the stored chunk ``info``) need, no
-        destination yet (see :func:`.loaditem.plan_load_item`)."""
-        first = wanted[0][0]
-        found = self.chunks.lookup(first.storage_index)
-        if found is None:
-            raise CorruptCheckpointError(
-                f"{self.checkpoint_id}: no chunk of {first.storage_index.fqn!r} at {first.storage_index.offset}"
-            )
-        verify = self.transfer.verify_checksums and extras.block_size > 0
-        return plan_load_item(key, info, extras, what, wanted, found, verify, self.transfer.coalesce_gap)
+        url: str,
+        entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
+        rider: Rider | None = None,
+        tiled: bool = False,
+    ) -> None:
+        """Read the items of object ``key`` (``(req, info, extras, what, sink)``, in any order) with coalesced
+        requests (see :meth:`.coalescing.RequestBuilder.read_object`)."""
+        self.requests.read_object(key, url, entries, rider, tiled)
 
-    def _prepare(self, item: LoadItem) -> None:
+    def _object_chunk(self, tiled: bool) -> int:
+        """Most bytes of one request of an object (see :meth:`.coalescing.RequestBuilder.object_chunk`)."""
+        return self.requests.object_chunk(tiled)
+
+    def _reserve_discard(self) -> None:
+        """Lease the buffer the gaps of requests are read into (see :mod:`.coalescing`)."""
+        self.requests.reserve_discard()
+
+    def prepare(self, item: LoadItem) -> None:
         """Resolve the destinations and lay out where every segment byte goes.
 
         No torch op runs here for a direct destination (see :mod:`dcp_cloud.format.tensorbytes`):
@@ -288,7 +262,7 @@ class LoadRun:
             piece.dest = piece.target if piece.direct else torch.empty(piece.lengths, dtype=item.dtype)
         dest = item.pieces[0].dest
         assert dest is not None
-        # A device destination's bytes are placed in pinned chunks as requests are built (see _add)
+        # A device destination's bytes are placed in pinned chunks as requests are built
         item.lay_out(scratch_bytes, DeviceSpan(flat_bytes(dest), 0, dest.nbytes) if item.device else None)
 
     def _landing_for(self, target: torch.Tensor) -> bool:
@@ -305,7 +279,8 @@ class LoadRun:
         if landing is not None:
             landing.close()
 
-    def _finish_item(self, item: LoadItem) -> None:
+    def finish_item(self, item: LoadItem) -> None:
+        """Hand a complete item to the planner (copying over what landed in temporaries) and return its lease."""
         item.copy_shared()
         for piece in item.pieces:
             assert piece.target is not None
@@ -315,194 +290,7 @@ class LoadRun:
         self._give(item.lease)
         item.fills = []
 
-    def read_object(
-        self,
-        key: str,
-        url: str,
-        entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]],
-        rider: Rider | None = None,
-        tiled: bool = False,
-    ) -> None:
-        """Read the items of object ``key`` (``(req, info, extras, what, sink)``, in any order) with coalesced
-        requests; the first requests go out while later items are still being planned. An item with a
-        ``sink`` lands its whole stored chunk there and is not committed. Several items of one stored chunk
-        (one rank's shards of one tensor that overlap one saved chunk) are planned as one: their bytes are
-        read once, whatever the order of the items and however their byte runs interleave or overlap.
-
-        ``rider``: the object's footer, not yet sent. Where the object's last request may read on to the
-        footer (:meth:`_may_carry`), the footer is that request's tail (one GET fewer); otherwise its own
-        GET is queued with that request. Until the footer is in, the object's earlier requests leave the
-        checks that need it (guessed extras) to the main thread, which lands them in order (sending the
-        footer's own GET first if the request to carry it is not on its way yet): no worker ever waits for
-        a footer queued behind it.
-
-        ``tiled``: the object was written by a tiled save (see :mod:`dcp_cloud.planner.tiles`), whose tiles
-        were cut so that a load reads only what it wants: no gap is read through as one between neighbours
-        (``reshard_gap``), only within ``coalesce_gap`` and ``coalesce_ratio``."""
-        owners: list[LoadItem] = []
-        block_of = self.transfer.verify_checksums
-        ordered = sorted(entries, key=lambda e: int(e[1].offset))  # stable: a no-op pass for sorted entries
-
-        def segments() -> Iterator[Segment]:
-            for _, group in groupby(ordered, key=lambda e: int(e[1].offset)):
-                same = list(group)
-                _, info, extras, what, _ = same[0]
-                item = self.plan_item(key, info, extras, what, [(e[0], e[4]) for e in same])
-                if not item.spans:  # nothing to read (empty boxes)
-                    self._prepare(item)
-                    self._finish_item(item)
-                    continue
-                block = extras.block_size if block_of else 0
-                for start, end, _, _ in item.spans:
-                    owners.append(item)
-                    yield Segment(item.base + start, item.base + end, block, item.base, (item.base, item.limit))
-
-        t = self.transfer
-        chunk = self._object_chunk(tiled)
-        requests = iter_requests(
-            segments(),
-            max_gap=t.coalesce_gap,
-            ratio=t.coalesce_ratio,
-            chunk=chunk,
-            free_gap=FRAMING_GAP,
-            neighbour_gap=t.reshard_gap if t.coalesce_gap and not tiled else 0,  # coalesce_gap=0: byte-exact
-        )
-        self._late = rider
-        for request in requests:
-            if rider is not None and not rider.sent and request.last:
-                if self._may_carry(request, rider, chunk):
-                    self._rider = rider  # sent with this request unless a lease sends part of it first
-                else:
-                    rider.send()
-            if (request.end - request.start > request.wanted or self._rider is not None) and not len(self._discard):
-                self._reserve_discard()
-            self._b_key, self._b_url = key, url
-            for index, start, end in request.parts:
-                item = owners[index]
-                if not item.prepared:
-                    self._prepare(item)
-                self._add(item, start, end)
-            self._send(carry=True)
-
-    def _object_chunk(self, tiled: bool) -> int:
-        """Most bytes of one request of an object (see :func:`.readplan.tiled_request_size`)."""
-        if not tiled:
-            return self.chunk
-        return tiled_request_size(self.chunk, self.engine.budget.capacity, self.transfer.concurrency)
-
-    def _may_carry(self, request: Request, rider: Rider, chunk: int) -> bool:
-        """Whether ``request`` may read the footer as its tail: the gap to it is one the plan would read
-        through (framing, or within ``coalesce_ratio`` of the request's wanted bytes; none with
-        ``coalesce_gap=0``, which keeps loads byte-exact), and the request stays within ``chunk`` (the
-        object's, plus the slack a request may run over)."""
-        t = self.transfer
-        gap = rider.start - request.end
-        discarded = request.end - request.start - request.wanted - request.free
-        through = gap <= min(FRAMING_GAP, t.coalesce_gap) or (
-            gap <= t.coalesce_gap and discarded + gap <= t.coalesce_ratio * request.wanted
-        )
-        return gap >= 0 and through and rider.end - request.start <= chunk + chunk // TAIL_SLACK
-
-    def _reserve_discard(self) -> None:
-        """One buffer that every gap of every request is read into (and nobody reads); longer gaps use it
-        several times over."""
-        gap = max(self.transfer.coalesce_gap, self.transfer.reshard_gap)
-        size = max(1, min(gap, self.engine.budget.capacity // 8))
-        self._reserved = self.lease(size)
-        self._discard = memoryview(bytearray(size))
-
     def close(self) -> None:
         """Return the discard buffer's lease and the landing chunks (after :meth:`drain`)."""
-        self._give(self._reserved)
-        self._reserved = 0
-        self._discard = memoryview(bytearray(0))
+        self._give(self.requests.drop_discard())
         self.close_landing()
-
-    def _add(self, item: LoadItem, start: int, end: int) -> None:
-        views = item.views(start, end)
-        if item.device:  # before the request is touched: finding room may send it
-            assert self.landing is not None
-            views, moves, leased = self.landing.place_all(views, self.lease, self._make_room)
-            self._b_moves += moves
-            self._b_lease += leased
-        outs = self._b_outs
-        if not outs:
-            self._b_start = start
-        elif start > self._b_end:
-            self._gap_to(outs, start)
-        outs.extend(views)
-        if item.verify or isinstance(item.extras, Guess):
-            self._b_checks.append((item, start, views))
-        self._b_end = end
-        if end == item.end:
-            self._b_done.append(item)
-
-    def _gap_to(self, outs: list[memoryview], pos: int) -> None:
-        """Read object bytes ``[_b_end, pos)`` of the request being built into the discard buffer."""
-        gap, discard = pos - self._b_end, self._discard
-        while gap:
-            n = min(gap, len(discard))
-            outs.append(discard[:n])
-            gap -= n
-
-    def _send(self, carry: bool = False) -> None:
-        """Send the request being built; with ``carry`` (it is complete), with the footer waiting to ride on
-        it as its tail. A request sent early (a lease ran short) sends the footer's own GET first."""
-        rider, self._rider = self._rider, None
-        if rider is not None and (not carry or rider.sent):  # (sent already: by a landing that needed it)
-            rider.send()
-            rider = None
-        if not self._b_outs:
-            if rider is not None:
-                rider.send()
-            return
-        outs, checks, done = self._b_outs, self._b_checks, self._b_done
-        self._b_outs, self._b_checks, self._b_done = [], [], []
-        moves, lease = self._b_moves, self._b_lease
-        self._b_moves, self._b_lease = [], 0
-        key, start, end = self._b_key, self._b_start, self._b_end
-        late = self._late
-        tail: memoryview | None = None
-        if rider is not None:
-            rider.carried()
-            self._gap_to(outs, rider.start)
-            tail = memoryview(bytearray(rider.length))
-            outs.append(tail)
-            end = rider.end
-        what = f"bytes {start}..{end} of {self._b_url}"
-        deferred: list[tuple[LoadItem, int, list[memoryview]]] = []
-        stages: list[tuple[int, Callable[[], None]]] = []
-        if self.stepped and rider is None and checks and not any(isinstance(e[0].extras, Guess) for e in checks):
-            stages = self.verifier.stages(key, start, checks, self.chunk)
-            checks = []
-
-        def check(offset: int, views: list[memoryview]) -> None:
-            if rider is not None and tail is not None:
-                rider.land(tail)  # before any guess of this request is confirmed against it
-            for entry in checks:
-                if late is not None and not late.future.done() and isinstance(entry[0].extras, Guess):
-                    deferred.append(entry)  # its footer rides on a later request: checked when this lands
-                else:
-                    self.verifier.check_item(key, *entry)
-
-        landing = self.landing
-
-        def finish() -> None:
-            if deferred and late is not None:
-                late.send()  # a no-op once the request carrying it is queued
-                for entry in deferred:  # before device bytes leave their landing chunk
-                    self.verifier.check_item(key, *entry)
-            if moves:
-                assert landing is not None
-                landing.move(moves)  # to the devices, while the next requests are read
-                if any(item.device for item in done):
-                    landing.publish()  # before their tensors go to the planner
-            for item in done:
-                self._finish_item(item)
-
-        future = self.engine.read_at(
-            key, start, outs, check=check if checks or rider is not None else None, stages=stages
-        )
-        if rider is not None:
-            rider.watch(future)  # earlier requests' checks wait for this footer: a failure here must reach them
-        self.pending.append(_Pending([future], finish, lease, what))
