@@ -10,7 +10,7 @@ read once more before :class:`~dcp_cloud.errors.ChecksumMismatchError` names
 the item (:mod:`.readcheck`).
 
 Items written by stock torch (no raw offsets) and bytes items are read whole,
-one request each.
+one request each (:meth:`LoadRun.read_whole`).
 
 A device destination (a CUDA tensor of the stored dtype and shape) gets
 its bytes through pinned ring chunks instead of a temporary of the whole
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from ...config import TransferConfig
 from ...errors import DcpCloudError
 from ...format.footer import Rider
-from ...format.layout import ItemExtras
+from ...format.layout import ItemExtras, transform_descriptors
 from ...format.torchprivate import pickles_tensor_metadata
 from ...transfer.engine import TransferEngine
 from ...transfer.stats import StatsRecorder
@@ -196,17 +196,47 @@ class LoadRun:
         rather than scattered row by row)."""
         lease = self.lease(info.length)
         buf = bytearray(info.length)
-        if self.transfer.verify_checksums and extras is not None and extras.block_size > 0:
-            check = self.verifier.whole_checker(key, info.offset, extras, what)
-            futures = self.engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check)
-        else:
-            futures = self.engine.read(key, info.offset, [memoryview(buf)])
+        futures, after = self.read_whole(key, info, extras, what, buf)
         planner = self.planner
 
         def finish() -> None:
+            after()
             hand_over_whole(planner, req, info, buf, transforms, what, raw)
 
         self.queue(futures, finish, lease, what)
+
+    def read_whole(
+        self, key: str, info: Any, extras: ItemExtras | None, what: str, buf: bytearray
+    ) -> tuple[list[Future[None]], Callable[[], None]]:
+        """Start the read of the whole stored item ``info`` of object ``key`` into ``buf`` (nothing leased):
+        its futures, and the check to run once they are done. Where checksums are verified and ``extras``
+        record blocks, the stored bytes are checked from the item's first byte as they are read (bytes items,
+        compressed items, guessed extras), or, where ``extras`` place raw tensor bytes in the item, those
+        bytes by the check returned."""
+        view = memoryview(buf)
+        verify = self.transfer.verify_checksums and extras is not None and extras.block_size > 0
+        if not verify or extras is None:
+            return self.engine.read(key, info.offset, [view]), _nothing
+        recorded = extras
+        if transform_descriptors(info) or extras.raw_offset is None:  # checksums cover the item from its start
+            check = self.verifier.whole_checker(key, info.offset, extras, what)
+            return self.engine.read(key, info.offset, [view], align=extras.block_size, check=check), _nothing
+        raw, checked = extras.raw_offset, extras.checked_length
+        base = info.offset + raw
+
+        def after() -> None:  # checksums cover the raw tensor bytes only
+            self.verifier.verify(key, base, recorded, what, [(0, view[raw : raw + checked])])
+
+        return self.engine.read(key, info.offset, [view]), after
+
+    def chunk_of(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """Shape and dtype of the saved chunk ``index`` (a ReadItem's ``storage_index``) names (None: not a
+        tensor chunk of the metadata)."""
+        return self.chunks.lookup(index)
+
+    def url(self, key: str) -> str:
+        """The URL of object ``key`` of the store the run reads (for messages)."""
+        return self.engine.store.url(key)
 
     # -- coalesced items --------------------------------------------------
     def read_object(
@@ -294,3 +324,7 @@ class LoadRun:
         """Return the discard buffer's lease and the landing chunks (after :meth:`drain`)."""
         self._give(self.requests.drop_discard())
         self.close_landing()
+
+
+def _nothing() -> None:
+    return None

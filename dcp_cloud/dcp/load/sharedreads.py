@@ -36,28 +36,24 @@ a round of its own), and at most two rounds are alive at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ...errors import CorruptCheckpointError, DcpCloudError, StoreError
+from ...errors import CorruptCheckpointError, DcpCloudError
 from ...format.compression import check_descriptors
 from ...format.layout import ItemExtras, transform_descriptors
 from ...format.torchprivate import pickles_tensor_metadata
 from ...planner.readshare import RecordKey, SharedRecord, ShareSchedule
-from ..metashare import from_rank, portable
 from .handover import hand_over, hand_over_whole, narrow_to
-from .loadrun import LoadRun
+from .sharewire import SharedReadError, Slot, carry_failure, comm_device, move_records, nbytes_of, status
 
-__all__ = ["Exchange", "SharedReadError", "carry_failure"]
-
-
-class SharedReadError(StoreError):
-    """Another rank of the load failed, with an error that could not be carried as itself (see its message)."""
+__all__ = ["COUNTS", "Exchange", "ExchangeRun", "SharedReadError", "carry_failure"]
 
 
 #: How the shared records of this process were landed (read by tests): ``raw_direct`` (the raw tensor
@@ -66,27 +62,38 @@ class SharedReadError(StoreError):
 COUNTS: dict[str, int] = {"raw_direct": 0, "raw_staged": 0, "whole": 0}
 
 
-class _Slot:
-    """Where one shared record's bytes live on this rank during its round.
+class ExchangeRun(Protocol):
+    """What an :class:`Exchange` needs of the rank's load run (:class:`~dcp_cloud.dcp.load.loadrun.LoadRun`)."""
 
-    ``raw``: only the raw tensor bytes move (``nbytes`` of them, a chunk of
-    ``shape`` and ``dtype``); ``buf`` is a uint8 tensor on the group's device,
-    either the destination itself (``direct``) or a staging buffer. Otherwise
-    the whole stored item moves, in ``whole`` (host bytes, as stored).
-    """
+    planner: LoadPlanner
 
-    __slots__ = ("buf", "direct", "dtype", "nbytes", "raw", "shape", "targets", "whole")
+    def chunk_of(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """Shape and dtype of the saved chunk a ReadItem's ``storage_index`` names (None: not a tensor chunk)."""
+        ...
 
-    def __init__(self) -> None:
-        self.raw = False
-        self.nbytes = 0
-        self.shape: tuple[int, ...] = ()
-        self.dtype = torch.uint8
-        self.buf: torch.Tensor | None = None
-        #: ``(info, req, what, target)`` of this rank's items that want the record (raw only).
-        self.targets: list[tuple[Any, ReadItem, str, torch.Tensor]] = []
-        self.direct = False
-        self.whole: bytearray | None = None
+    def url(self, key: str) -> str:
+        """The URL of object ``key`` (for messages)."""
+        ...
+
+    def read_object(
+        self, key: str, url: str, entries: Iterable[tuple[ReadItem, Any, ItemExtras, str, torch.Tensor | None]]
+    ) -> None:
+        """Start coalesced reads of items of object ``key``; landed by :meth:`drain`."""
+        ...
+
+    def read_whole(
+        self, key: str, info: Any, extras: ItemExtras | None, what: str, buf: bytearray
+    ) -> tuple[list[Future[None]], Callable[[], None]]:
+        """Start the read of a whole stored item into ``buf``: its futures, and the check to run once they are done."""
+        ...
+
+    def drain(self) -> None:
+        """Land every coalesced read in flight."""
+        ...
+
+    def abandon(self) -> None:
+        """Let every read in flight end and return every lease (after a failure)."""
+        ...
 
 
 @dataclass
@@ -94,7 +101,7 @@ class _Fetch:
     """The owner's reads of one round in flight: raw tensor bytes as the run's coalesced requests (landed
     by draining it), whole items one request each."""
 
-    run: LoadRun
+    run: ExchangeRun
     reads: list[tuple[list[Any], Callable[[], None], str]] = field(default_factory=list)
     #: Copies from host memory into the group's device, once the raw reads have landed (NCCL).
     uploads: list[Callable[[], None]] = field(default_factory=list)
@@ -108,7 +115,6 @@ class _Fetch:
         except BaseException as exc:  # noqa: BLE001 - the first failure is raised once every read has ended
             failure = exc
             self.run.abandon()
-            self.run.pending.clear()
         for futures, after, what in self.reads:
             try:
                 for fut in futures:
@@ -123,39 +129,9 @@ class _Fetch:
 
     def abandon(self) -> None:
         self.run.abandon()
-        self.run.pending.clear()
         for futures, _, _ in self.reads:
             for fut in futures:
                 fut.exception()
-
-
-def _status(group: Any, device: Any, error: BaseException | None, modes: list[int]) -> list[int]:
-    """Every rank's status and the owners' ``modes``, in one small all-reduce (MAX); only when some rank
-    failed, an all-gather carries the typed errors, and the first is raised (this rank's own, else the
-    lowest failed rank's)."""
-    flags = torch.tensor([int(error is not None), *modes], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    values = flags.tolist()
-    if values[0]:
-        mine = None if error is None else _portable(error)
-        statuses: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(statuses, mine, group=group)
-        if error is not None:
-            raise error
-        for rank, status in enumerate(statuses):
-            if status is not None:
-                raise from_rank(status, dist.get_global_rank(group, rank))
-        raise SharedReadError("another rank of the load failed")
-    return [int(v) for v in values[1:]]
-
-
-def carry_failure(group: Any, schedule: ShareSchedule, error: BaseException) -> None:
-    """Raise ``error`` of a rank that failed before its part of the exchange began (its read_data raised
-    before it reached the schedule), at the schedule's first status exchange, where the other ranks wait:
-    every rank raises there, instead of waiting for the group's timeout."""
-    if schedule.rounds:
-        _status(group, _comm_device(group), error, [0] * len(schedule.rounds[0]))
-    raise error
 
 
 class Exchange:
@@ -165,7 +141,7 @@ class Exchange:
         self,
         group: Any,
         schedule: ShareSchedule,
-        run: LoadRun,
+        run: ExchangeRun,
         mine: dict[RecordKey, list[tuple[Any, ReadItem, str]]],
         extras_of: Callable[[str, Any, str], ItemExtras | None],
         key_of: Callable[[str], str],
@@ -179,9 +155,9 @@ class Exchange:
         self.extras_of = extras_of
         self.key_of = key_of
         self.rank = dist.get_rank(group)
-        self.device = _comm_device(group)
+        self.device = comm_device(group)
         #: The slots of the records this rank owns in the rounds fetched so far.
-        self.owned: dict[RecordKey, _Slot] = {}
+        self.owned: dict[RecordKey, Slot] = {}
 
     def run_all(self, error: BaseException | None) -> None:
         """Follow the schedule on this rank; ``error``: what this rank's own reads raised (carried to every
@@ -217,7 +193,8 @@ class Exchange:
                     fetch.abandon()
                 raise
             slots, error = self._slots(rnd, modes)
-            self._transfer(rnd, slots)  # on every rank, whatever its slots' failures: nobody is left waiting
+            # on every rank, whatever its slots' failures: nobody is left waiting
+            move_records(self.group, self.rank, self.device, self.schedule.world, rnd, slots)
             try:
                 self._hand_over(rnd, slots)
             except Exception as exc:  # noqa: BLE001 - reported at the next status exchange
@@ -255,13 +232,13 @@ class Exchange:
         try:
             for key, entries in raw.items():
                 entries.sort(key=lambda e: e[0])
-                run.read_object(key, run.engine.store.url(key), (e[1:] for e in entries))
+                run.read_object(key, run.url(key), (e[1:] for e in entries))
         except BaseException:
             fetch.abandon()  # let what went out end before the failure is reported
             raise
         return fetch
 
-    def _owner_slot(self, rec: SharedRecord, info: Any, req: ReadItem, extras: ItemExtras | None) -> _Slot:
+    def _owner_slot(self, rec: SharedRecord, info: Any, req: ReadItem, extras: ItemExtras | None) -> Slot:
         """The owner's slot: raw tensor bytes where the extras place them, else the whole stored item."""
         found = None
         if (
@@ -270,20 +247,20 @@ class Exchange:
             and extras is not None
             and extras.raw_offset is not None
         ):
-            found = self.run.chunks.lookup(req.storage_index)
+            found = self.run.chunk_of(req.storage_index)
         if found is not None:
-            nbytes = _nbytes(*found)
+            nbytes = nbytes_of(*found)
             if extras is not None and (extras.block_size == 0 or extras.checked_length == nbytes):
                 return self._raw_slot(rec, *found)
-        slot = _Slot()
+        slot = Slot()
         slot.whole = bytearray(rec.nbytes)
         return slot
 
-    def _raw_slot(self, rec: SharedRecord, shape: tuple[int, ...], dtype: torch.dtype) -> _Slot:
+    def _raw_slot(self, rec: SharedRecord, shape: tuple[int, ...], dtype: torch.dtype) -> Slot:
         """This rank's slot of a record whose raw tensor bytes move: straight into the destination where
         its layout allows, else a staging buffer on the group's device."""
-        slot = _Slot()
-        slot.raw, slot.shape, slot.dtype, slot.nbytes = True, shape, dtype, _nbytes(shape, dtype)
+        slot = Slot()
+        slot.raw, slot.shape, slot.dtype, slot.nbytes = True, shape, dtype, nbytes_of(shape, dtype)
         items = self.mine.get(rec.key, [])
         for info, req, what in items:
             target = self.planner.resolve_tensor(req).detach()
@@ -309,34 +286,17 @@ class Exchange:
         return slot
 
     def _read_whole(
-        self, key: str, info: Any, extras: ItemExtras | None, what: str, slot: _Slot
+        self, key: str, info: Any, extras: ItemExtras | None, what: str, slot: Slot
     ) -> tuple[list[Any], Callable[[], None]]:
         """Read one whole stored item (bytes, compressed, stock-written), checked as the per-rank path does."""
-        run = self.run
-        engine = run.engine
-        verify = run.transfer.verify_checksums and extras is not None and extras.block_size > 0
-        buf = slot.whole
-        assert buf is not None
+        assert slot.whole is not None
         descs = transform_descriptors(info)
         if descs:
             check_descriptors(descs, what)
-        if not verify:
-            return engine.read(key, info.offset, [memoryview(buf)]), _nothing
-        assert extras is not None
-        if descs or extras.raw_offset is None:  # checksums cover the stored item from its first byte
-            check = run.verifier.whole_checker(key, info.offset, extras, what)
-            return engine.read(key, info.offset, [memoryview(buf)], align=extras.block_size, check=check), _nothing
-        raw = extras.raw_offset
-        base = info.offset + raw
-
-        def after_whole() -> None:  # checksums cover the raw tensor bytes only
-            view = memoryview(buf)[raw : raw + extras.checked_length]
-            run.verifier.verify(key, base, extras, what, [(0, view)])
-
-        return engine.read(key, info.offset, [memoryview(buf)]), after_whole
+        return self.run.read_whole(key, info, extras, what, slot.whole)
 
     def _status(self, error: BaseException | None, modes: list[int]) -> list[int]:
-        return _status(self.group, self.device, error, modes)
+        return status(self.group, self.device, error, modes)
 
     def _mode(self, rec: SharedRecord) -> int:
         if rec.owner != self.rank:
@@ -346,10 +306,10 @@ class Exchange:
 
     def _slots(
         self, rnd: tuple[SharedRecord, ...], modes: list[int]
-    ) -> tuple[dict[RecordKey, _Slot], BaseException | None]:
+    ) -> tuple[dict[RecordKey, Slot], BaseException | None]:
         """This rank's slot of each record of the round (the owner's from its fetch), and the first failure
         to set one up (that record then gets a scratch buffer, so the transfer still takes place)."""
-        slots: dict[RecordKey, _Slot] = {}
+        slots: dict[RecordKey, Slot] = {}
         error: BaseException | None = None
         for rec, mode in zip(rnd, modes, strict=True):
             if rec.owner == self.rank:
@@ -357,17 +317,17 @@ class Exchange:
                 continue
             items = self.mine.get(rec.key)
             if not mode:
-                slot = slots[rec.key] = _Slot()
+                slot = slots[rec.key] = Slot()
                 slot.whole = bytearray(rec.nbytes) if items else None
                 continue
             try:
-                found = self.run.chunks.lookup(items[0][1].storage_index) if items else None
-                if items and (found is None or _nbytes(*found) != mode - 1):
+                found = self.run.chunk_of(items[0][1].storage_index) if items else None
+                if items and (found is None or nbytes_of(*found) != mode - 1):
                     raise CorruptCheckpointError(f"{items[0][2]}: the metadata has no chunk of {mode - 1} bytes")
-                slots[rec.key] = self._raw_slot(rec, *found) if found else _Slot()
+                slots[rec.key] = self._raw_slot(rec, *found) if found else Slot()
             except Exception as exc:  # noqa: BLE001 - raised after the transfer, reported at the next status
                 error = error or exc
-                slots[rec.key] = _Slot()
+                slots[rec.key] = Slot()
             slot = slots[rec.key]
             if slot.buf is None and items:
                 slot.targets = []
@@ -375,53 +335,7 @@ class Exchange:
             slot.raw, slot.nbytes = True, mode - 1
         return slots, error
 
-    def _transfer(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
-        """Move each record from its owner to the other ranks that want it (into their slots)."""
-        world = self.schedule.world
-        group, me = self.group, self.rank
-        tensors: dict[RecordKey, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def tensor(rec: SharedRecord) -> torch.Tensor:
-            slot = slots[rec.key]
-            if slot.raw:
-                assert slot.buf is not None
-                return slot.buf
-            if rec.key not in tensors:
-                if slot.whole is None:
-                    slot.whole = bytearray(rec.nbytes)
-                host = torch.frombuffer(slot.whole, dtype=torch.uint8)
-                tensors[rec.key] = (host, host if self.device.type == "cpu" else host.to(self.device))
-            return tensors[rec.key][1]
-
-        works = []
-        broadcasts = []
-        for rec in rnd:
-            slot = slots[rec.key]
-            if (slot.nbytes if slot.raw else rec.nbytes) == 0:
-                continue
-            if len(rec.wanters) == world:
-                broadcasts.append(rec)
-                continue
-            if me == rec.owner:
-                for peer in rec.wanters:
-                    if peer != me:
-                        works.append(dist.isend(tensor(rec), dst=dist.get_global_rank(group, peer), group=group))
-            elif me in rec.wanters:
-                works.append(dist.irecv(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group))
-        for work in works:
-            work.wait()
-        # every broadcast of the round queued at once, in the schedule's order on every rank
-        works = [
-            dist.broadcast(tensor(rec), src=dist.get_global_rank(group, rec.owner), group=group, async_op=True)
-            for rec in broadcasts
-        ]
-        for work in works:
-            work.wait()
-        if self.device.type != "cpu":
-            for host, dev in tensors.values():
-                host.copy_(dev)
-
-    def _hand_over(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, _Slot]) -> None:
+    def _hand_over(self, rnd: tuple[SharedRecord, ...], slots: dict[RecordKey, Slot]) -> None:
         """Hand every item of this rank that wants a record of the round to the planner."""
         for rec in rnd:
             slot = slots[rec.key]
@@ -444,26 +358,3 @@ class Exchange:
                 COUNTS["raw_staged"] += 1
                 hand_over(self.planner, req, target, narrow_to(stored, req.storage_offsets, req.lengths), what)
             slot.buf = None
-
-
-def _nothing() -> None:
-    return None
-
-
-def _comm_device(group: Any) -> torch.device:
-    """Where collectives of ``group`` take tensors: the current GPU for NCCL, host memory otherwise."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
-
-
-def _portable(exc: BaseException) -> BaseException:
-    return portable(exc, lambda what: SharedReadError(f"another rank of the load failed: {what}"))
