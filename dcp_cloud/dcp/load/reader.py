@@ -20,11 +20,12 @@ For each requested region of a saved chunk, the reader computes the exact
 byte runs inside the stored tensor bytes (row-major layout math), widens them
 to whole checksum blocks when verifying, and packs the runs of all items of
 an object into few ranged GETs whose bodies are scattered straight into the
-destination tensors (see :mod:`dcp_cloud.dcp.load.loadrun` and
-:mod:`dcp_cloud.dcp.load.readplan`). Those reads leave together with the GETs of
-the objects' index footers, from the raw offsets and block sizes the
-footers are expected to hold; each is confirmed against its footer before
-its item is used (see :mod:`dcp_cloud.dcp.load.prediction`). Items written by
+destination tensors (see :mod:`dcp_cloud.dcp.load.coalescing`,
+:mod:`dcp_cloud.dcp.load.loadrun` and :mod:`dcp_cloud.dcp.load.readplan`).
+Those reads leave together with the GETs of the objects' index footers, from
+the raw offsets and block sizes the footers are expected to hold; each is
+confirmed against its footer before its item is used (see
+:mod:`dcp_cloud.dcp.load.footers` and :mod:`dcp_cloud.dcp.load.prediction`). Items written by
 stock torch carry no raw offsets: they are read whole and sliced, as stock
 torch does; so are compressed items (torch's ZStandard extension, see
 :mod:`dcp_cloud.format.compression`).
@@ -33,7 +34,6 @@ torch does; so are compressed items (torch's ZStandard extension, see
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import uuid
@@ -50,7 +50,7 @@ from torch.futures import Future as TorchFuture
 from ...config import RetryConfig, TransferConfig
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
 from ...format.compression import check_descriptors
-from ...format.footer import Rider, fetch_all, fetch_async, fetch_each
+from ...format.footer import Rider
 from ...format.layout import (
     METADATA_NAME,
     ItemExtras,
@@ -67,8 +67,9 @@ from ..base import CloudBase, log
 from ..device.stagingconfig import StagingConfig
 from ..metashare import broadcast_bytes, in_process_group, sharing_group
 from .chunks import ChunkIndex
+from .footers import FooterSource
 from .loadrun import LoadRun
-from .prediction import GuessMiss, confirmed, guess
+from .prediction import GuessMiss
 from .readplan import request_size
 from .sharedreads import Exchange, carry_failure
 
@@ -104,9 +105,8 @@ class CloudReader(CloudBase, StorageReader):
         self._loaded = False
         self.storage_data: dict[Any, Any] = {}
         self._chunks = ChunkIndex({})
-        self._footers: dict[str, Any] | None = None
-        #: Objects a tiled save wrote: checksum blocks sized by item, not by tensor; read byte-precisely.
-        self._tiled: frozenset[str] = frozenset()
+        #: Where the items' extras come from: the objects' index footers, or the records (format 1).
+        self._footer_source = self._footers_of(None, frozenset())
         #: Send the first reads before the footers arrive (see :mod:`.prediction`); off after a wrong guess, and
         #: where a request costs no round trip to save (a local directory): there a footer is in before a guess
         #: could gain anything, and reads verified as they land (no footer riding on the last) keep the checks
@@ -221,8 +221,13 @@ class CloudReader(CloudBase, StorageReader):
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
         self._chunks = ChunkIndex(metadata.state_dict_metadata)
-        self._footers = footer_table(metadata)
-        self._tiled = tiled_objects(metadata)
+        self._footer_source = self._footers_of(footer_table(metadata), tiled_objects(metadata))
+
+    def _footers_of(self, table: dict[str, Any] | None, tiled: frozenset[str]) -> FooterSource:
+        """The footer source of a load of metadata with footer places ``table`` (None: format 1) and ``tiled``
+        objects (written by a tiled save: checksum blocks sized by item, not by tensor; read byte-precisely)."""
+        block = self.transfer.checksum_block_size
+        return FooterSource(table, tiled, self._chunks, self.uri.key, self.checkpoint_id, block)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -252,7 +257,7 @@ class CloudReader(CloudBase, StorageReader):
         nbytes = int(info.length)
         if req.type == LoadItemType.BYTE_IO or transform_descriptors(info):
             return nbytes
-        if self._footers is None and getattr(extras_of(info), "raw_offset", None) is None:
+        if self._footer_source.table is None and getattr(extras_of(info), "raw_offset", None) is None:
             return nbytes
         share = self._chunks.share_of(req, nbytes)
         if nbytes <= self.transfer.memory_budget // 2:
@@ -357,46 +362,21 @@ class CloudReader(CloudBase, StorageReader):
             owned = [mine[rec.key][0][:2] for rnd in schedule.rounds for rec in rnd if rec.owner == me]
             keys = {self.uri.key(info.relative_path) for info, _ in owned}
             try:
-                footers = self._fetch_footers(run, owned, {key: self.store.url(key) for key in keys})
+                footers = self._footer_source.fetch(run.engine, owned, {key: self.store.url(key) for key in keys})
             except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange
                 error = exc
 
         def extras(key: str, info: Any, what: str) -> ItemExtras | None:
-            return self._extras(footers, key, info, what)
+            return self._footer_source.extras(footers, key, info, what)
 
         Exchange(group, schedule, run, mine, extras, self.uri.key).run_all(error)
 
     def _start(self, run: LoadRun, records: list[tuple[Any, ReadItem]], guessing: bool) -> None:
         """Start the reads of every object. The footers are fetched in parallel; ``guessing``, every object's
         reads start at once from guessed extras (see :mod:`.prediction`), else each object's as soon as its
-        own footer is in (an object's reads do not wait for the footers of the others)."""
-        by_key: dict[str, tuple[str, list[tuple[Any, ReadItem]]]] = {}
-        for info, req in records:
-            key = self.uri.key(info.relative_path)
-            if key not in by_key:
-                by_key[key] = (self.store.url(key), [])
-            by_key[key][1].append((info, req))
-        if self._footers is None:  # format 1: the extras are in the records
-            for key, (url, recs) in by_key.items():
-                self._start_object(run, key, url, recs, None)
-            return
-        wanted = self._footer_places(records, {key: url for key, (url, _) in by_key.items()})
-        if guessing:
-            # An object read whole with one request has its footer read as that request's tail (a Rider);
-            # the other footers are sent before any data read (see fetch_async).
-            riders = {
-                key: Rider(run.engine, key, url, wanted[key][1])
-                for key, (url, recs) in by_key.items()
-                if all(req.type != LoadItemType.BYTE_IO and not transform_descriptors(info) for info, req in recs)
-            }
-            pending = fetch_async(run.engine, {key: place for key, place in wanted.items() if key not in riders})
-            for key, (url, recs) in by_key.items():
-                rider = riders.get(key)
-                self._start_object(run, key, url, recs, rider.future if rider else pending[key], rider)
-            return
-        for key, footer in fetch_each(run.engine, wanted):
-            url, recs = by_key[key]
-            self._start_object(run, key, url, recs, _done(footer))
+        own footer is in (see :meth:`.footers.FooterSource.objects`)."""
+        for key, url, recs, footer, rider in self._footer_source.objects(run.engine, records, self.store.url, guessing):
+            self._start_object(run, key, url, recs, footer, rider)
 
     def _start_object(
         self,
@@ -413,10 +393,8 @@ class CloudReader(CloudBase, StorageReader):
         coalesced: list[Any] = []
         for info, req in records:
             what = f"{req.storage_index.fqn!r} from {url}"
-            extras = self._extras_or_guess(footer, key, info, req, what, rider)
+            extras = self._footer_source.extras_or_guess(footer, key, info, req, what, rider)
             descs = transform_descriptors(info)
-            if rider is not None and extras is not None and (descs or req.type == LoadItemType.BYTE_IO):
-                rider.send()  # a whole read's check waits for the footer
             if descs:  # compressed: read whole, checked against the stored bytes, then decoded
                 check_descriptors(descs, what)
                 run.start_whole(req, key, info, extras, what, transforms=descs)
@@ -427,80 +405,8 @@ class CloudReader(CloudBase, StorageReader):
             else:
                 coalesced.append((req, info, extras, what, None))
         if coalesced:
-            run.read_object(key, url, coalesced, rider, tiled=records[0][0].relative_path in self._tiled)
-
-    def _fetch_footers(
-        self, run: LoadRun, records: list[tuple[Any, ReadItem]], urls: dict[str, str]
-    ) -> dict[str, dict[int, ItemExtras]]:
-        """The index footers of every object ``records`` read (format 2), fetched in parallel."""
-        if self._footers is None:
-            return {}
-        return fetch_all(run.engine, self._footer_places(records, urls))
-
-    def _footer_places(self, records: list[tuple[Any, ReadItem]], urls: dict[str, str]) -> dict[str, tuple[str, Any]]:
-        """``key -> (url, footer place)`` of every object ``records`` read (``urls``: key -> URL)."""
-        table = self._footers or {}
-        wanted: dict[str, tuple[str, Any]] = {}
-        for info, _ in records:
-            key = self.uri.key(info.relative_path)
-            if key in wanted:
-                continue
-            url = urls[key]
-            place = table.get(info.relative_path)
-            if place is None:
-                raise CorruptCheckpointError(
-                    f"{self.checkpoint_id}: the metadata places no checksum footer in {url}, which it references; "
-                    "the metadata is damaged or was edited"
-                )
-            wanted[key] = (url, place)
-        return wanted
-
-    def _extras_or_guess(
-        self,
-        footer: Future[dict[int, ItemExtras]] | None,
-        key: str,
-        info: Any,
-        req: ReadItem,
-        what: str,
-        rider: Rider | None = None,
-    ) -> ItemExtras | None:
-        """An item's extras: from its record (format 1), from the footer once it is in, else guessed (waiting
-        for the footer only where the item cannot be guessed, after sending it if it is a ``rider``)."""
-        if footer is None:
-            return extras_of(info)
-        if not footer.done():
-
-            def confirm() -> ItemExtras:
-                real = self._extras({key: footer.result()}, key, info, what)
-                assert real is not None
-                return confirmed(guessed, real, what)
-
-            index = req.storage_index
-            if req.type == LoadItemType.BYTE_IO:
-                chunk, nbytes, whole = None, 0, True
-            else:
-                chunk, nbytes = self._chunks.lookup(index), self._chunks.tensor_nbytes(index) or 0
-                if chunk is not None and info.relative_path in self._tiled:  # blocks sized by the item
-                    nbytes = chunk[1].itemsize * math.prod(chunk[0])
-                whole = bool(transform_descriptors(info))
-            guessed = guess(info, chunk, nbytes, whole, self.transfer.checksum_block_size, confirm)
-            if guessed is not None:
-                return guessed
-        if rider is not None:
-            rider.send()
-        return self._extras({key: footer.result()}, key, info, what)
-
-    def _extras(self, footers: dict[str, dict[int, ItemExtras]], key: str, info: Any, what: str) -> ItemExtras | None:
-        """What we recorded about one item: from its object's footer (format 2) or its record (format 1)."""
-        if self._footers is None:
-            return extras_of(info)
-        extras = footers[key].get(info.offset)
-        if extras is None:
-            raise CorruptCheckpointError(
-                f"{what}: the object's checksum footer has no entry for the item at byte {info.offset}; "
-                "the metadata and the object do not belong together"
-            )
-        return extras
+            tiled = records[0][0].relative_path in self._footer_source.tiled
+            run.read_object(key, url, coalesced, rider, tiled=tiled)
 
     def _info(self, req: ReadItem) -> Any:
         try:
@@ -510,10 +416,3 @@ class CloudReader(CloudBase, StorageReader):
                 f"{self.checkpoint_id}: the metadata has no storage record for {req.storage_index.fqn!r}; "
                 "the checkpoint is incomplete or corrupted"
             ) from None
-
-
-def _done(footer: dict[int, ItemExtras]) -> Future[dict[int, ItemExtras]]:
-    """A footer already in, as the future :meth:`CloudReader._start_object` takes."""
-    future: Future[dict[int, ItemExtras]] = Future()
-    future.set_result(footer)
-    return future
