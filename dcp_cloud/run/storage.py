@@ -202,12 +202,12 @@ class RunStorage:
         them, with one warning), every request counted."""
         import dataclasses
 
-        from ..maintenance.collect import _pending_uploads
+        from ..maintenance.collect import pending_uploads
 
         store = self.store
         with self._lock:
             root = dataclasses.replace(self._opened, store=store)
-        uploads, _ = _pending_uploads(root)
+        uploads, _ = pending_uploads(root)
         return uploads
 
     def close(self) -> None:

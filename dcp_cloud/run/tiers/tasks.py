@@ -163,11 +163,11 @@ def drain(
                     dst.store.put(f"{dst.prefix}/{STEP_INFO_NAME}", record)
                 cache = (dst.backend, dst.bucket, environment_digest()) if dst.backend is not None else None
                 if overwrite:
-                    from ...maintenance.copying import _delete_unreferenced
+                    from ...maintenance.copying import delete_unreferenced
 
                     dst.store.put(f"{dst.prefix}/{METADATA_NAME}", metadata_bytes)
                     needs = load_metadata(metadata_bytes, METADATA_NAME).storage_data.values()
-                    _delete_unreferenced(dst, {str(info.relative_path) for info in needs})
+                    delete_unreferenced(dst, {str(info.relative_path) for info in needs})
                     return record
                 try:
                     put_create_only(dst.store, f"{dst.prefix}/{METADATA_NAME}", metadata_bytes, cache)
