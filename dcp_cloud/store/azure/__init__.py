@@ -26,6 +26,7 @@ S3/GCS/Azure compatibility reference; the tests assert each of those facts.
 
 from .config import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_PUT_BLOB_SIZE, AzureConfig, check_container
 from .errors import _translate  # noqa: F401 - imported from here by the tests
+from .objectopts import AzureObjectOptions
 from .store import AZURE_PART_LIMITS, AzureStore
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_PUT_BLOB_SIZE",
     "AzureConfig",
+    "AzureObjectOptions",
     "AzureStore",
     "check_container",
 ]

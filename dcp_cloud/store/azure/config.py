@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ...errors import ConfigError
+from .objectopts import AzureObjectOptions
 
 MiB = 1024 * 1024
 
@@ -74,6 +75,9 @@ class AzureConfig:
     #: the CRC32C that every save records per item catches damage at rest on load and ``verify``. MD5 costs
     #: about 1.7 s of CPU per GiB uploaded.
     transport_checksums: bool | None = None
+    #: Encryption scope or customer-provided key, access tier and index tags of every blob and request: see
+    #: :class:`~dcp_cloud.store.azure.objectopts.AzureObjectOptions`. ``None``: the container's defaults.
+    object_options: AzureObjectOptions | None = None
 
     def __post_init__(self) -> None:
         if self.account is not None:
@@ -104,3 +108,10 @@ class AzureConfig:
             self.transport_checksums is None or isinstance(self.transport_checksums, bool),
             f"AzureConfig.transport_checksums must be True, False or None, got {self.transport_checksums!r}",
         )
+        _require(
+            self.object_options is None or isinstance(self.object_options, AzureObjectOptions),
+            "AzureConfig.object_options must be an AzureObjectOptions or None, "
+            f"got {type(self.object_options).__name__}",
+        )
+        if self.object_options is not None:
+            self.object_options.check_endpoint(self.endpoint)
