@@ -54,11 +54,12 @@ def check_container(name: str) -> None:
 
 @dataclass(frozen=True)
 class AzureConfig:
-    """How to reach Azure Blob Storage. Everything here is picklable and free of secrets.
+    """How to reach Azure Blob Storage. Everything here is picklable and free of credentials.
 
     Credentials are never part of the config: they come from the environment in
     each process that uses the store (see :mod:`dcp_cloud.store.azure`), or from
-    an in-process ``credential=`` object.
+    an in-process ``credential=`` object. The one secret it may hold is a
+    customer-provided encryption key in :attr:`object_options` (never shown).
     """
 
     #: Storage account name (3-24 lowercase letters and digits). ``None``: ``AZURE_STORAGE_ACCOUNT``, the
