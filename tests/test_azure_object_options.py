@@ -19,7 +19,7 @@ from dcp_cloud.errors import ConfigError
 from dcp_cloud.store.azure import AzureConfig, AzureStore
 from dcp_cloud.store.azure.errors import AzureHTTPError
 from dcp_cloud.store.azure.objectopts import OPERATIONS, option_headers
-from dcp_cloud.testing.proxy import FaultProxy
+from dcp_cloud.testing.proxy import FaultPlan, FaultProxy
 from dcp_cloud.testing.proxy.faults import RequestInfo
 from dcp_cloud.testing.servers.azurite import ACCOUNT, Azurite
 
@@ -243,6 +243,30 @@ def test_copies_with_an_encryption_scope_go_through_this_process(
             assert service.get_blob_client(azure_container, name).download_blob().readall() == data  # type: ignore[attr-defined]
     finally:
         azurite_server.delete_container(other)
+
+
+def test_a_failed_copy_through_this_process_leaves_no_blocks(
+    azurite_server: Azurite, azure_env: Any, azure_container: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range read that fails after the first block was staged: the copy raises, and its blocks are gone."""
+    import dcp_cloud.store.azure.copy as copy_module
+
+    monkeypatch.setattr(copy_module, "COPY_BLOCK", 256 * 1024)
+    azurite_server.service().get_container_client(azure_container).upload_blob("src", os.urandom(600_000))  # type: ignore[attr-defined]
+    reads: list[str] = []
+
+    def second_read(request: RequestInfo) -> bool:
+        if request.method == "GET" and "x-ms-range" in request.headers:
+            reads.append(request.headers["x-ms-range"])
+            return len(reads) == 2
+        return False
+
+    with FaultProxy(azurite_server.endpoint, FaultPlan(error_500=1.0, when=second_read), flavor="azure") as proxy:
+        store = AzureStore(azure_container, _proxy_config(proxy, SCOPED))
+        with pytest.raises(DcpCloudError):
+            store.copy("src", "cp/dst")
+        assert len(reads) == 2 and store.list_multipart("cp/") == []
+        assert [o.key for o in store.list("cp/")] == []
 
 
 def test_copy_checkpoint_gives_the_copies_the_options(

@@ -104,7 +104,7 @@ def copy_through(source: AzureStore, store: AzureStore, source_key: str, key: st
             source.read_into(source_key, start, [view])
             parts.append(store.put_part(key, upload_id, number, view))
         return store.complete_multipart(key, upload_id, parts)
-    except BaseException:
+    except Exception:
         try:
             store.abort_multipart(key, upload_id)
         except DcpCloudError:
