@@ -72,6 +72,7 @@ from .planner.save import BalancedSavePlanner
 from .run import CheckpointManager, LocalTier, PendingSave, RetentionPolicy, StepNaming, TierStats
 from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.azure.config import AzureConfig
+from .store.azure.objectopts import AzureObjectOptions
 from .store.clients import close_clients
 from .store.gcs.config import GCSConfig
 from .store.s3.config import S3Config
@@ -86,6 +87,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AzureConfig",
+    "AzureObjectOptions",
     "AzureReader",
     "AzureWriter",
     "BalancedSavePlanner",

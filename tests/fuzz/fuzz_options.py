@@ -133,6 +133,13 @@ OPTIONS: tuple[Option, ...] = (
     #: Copy the saved checkpoint with copy_checkpoint (an incremental one standalone) beside it in the same
     #: store (server-side) or to a local directory (streamed from a bucket), verify both, and load the copy.
     Option("copy", "case", (False, "beside", "to_disk")),
+    #: AzureConfig.object_options (fuzz_targets.azure_object_options; Azure targets only), with what Azurite
+    #: honours: an access tier and index tags it keeps, and an encryption scope it accepts (it refuses
+    #: customer-provided keys; an archived blob cannot be read back). A copy "beside" copies with them: Copy
+    #: Blob with the tier and tags, through the process with the scope ("all"). Drawn here, after the copy,
+    #: rather than with azure_transport_checksums: there the derandomized draws of the Azure kind held every
+    #: layout stock torch cannot hold plainly, which test_fuzz_accounting refuses.
+    Option("azure_object_options", "azure", (DEFAULT, "tier", "tags", "all"), kinds=("azure",)),
     #: Load twice with one reader (torch calls reset() only with a checkpoint_id: the second load reuses it
     #: as it is, like a model and then an optimizer loaded from one checkpoint); an overwrite and incremental
     #: case loads with it once more after its base is overwritten.

@@ -141,10 +141,22 @@ def _gcs_config(target: Target, store: dict[str, Any]) -> Any:
     return GCSConfig(endpoint=target.endpoint_url, **store)
 
 
+def azure_object_options(drawn: str) -> Any:
+    """The AzureObjectOptions a case's ``azure_object_options`` draw names."""
+    from dcp_cloud.store.azure import AzureObjectOptions
+
+    tier = {"access_tier": "Cool"}
+    tags = {"tags": {"fuzz": "yes", "run id": "a/b c"}}
+    choice = {"tier": tier, "tags": tags, "all": {**tier, **tags, "encryption_scope": "fuzzscope"}}[drawn]
+    return AzureObjectOptions(**choice)  # type: ignore[arg-type]
+
+
 def _azure_config(target: Target, store: dict[str, Any]) -> Any:
     from dcp_cloud.store.azure import AzureConfig
 
     fields = {"transport_checksums": store["azure_transport_checksums"]} if "azure_transport_checksums" in store else {}
+    if "azure_object_options" in store:
+        fields["object_options"] = azure_object_options(store["azure_object_options"])
     return AzureConfig(endpoint=target.endpoint_url, **fields)
 
 
