@@ -56,6 +56,10 @@ class Option:
     #: Target names it applies to, within its kinds (None: every target of those kinds); an option a server
     #: cannot honour is not drawn there, so it neither wastes that store's cases nor shifts their draws.
     targets: tuple[str, ...] | None = None
+    #: Chosen from a hash of the case's other draws instead of drawn: an option added for some stores then
+    #: leaves the derandomized tiers' draws of those stores as they were (their layouts, their books). The
+    #: long tier's random draws still vary it with every case.
+    derived: bool = False
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -111,6 +115,12 @@ OPTIONS: tuple[Option, ...] = (
     # -- AzureConfig: its transport_checksums (DEFAULT on Azurite's http:// endpoint: a Content-MD5 on every
     # upload); named apart from GCS's, as names are unique in the table -----------------------------------------
     Option("azure_transport_checksums", "azure", (DEFAULT, False), kinds=("azure",)),
+    #: AzureConfig.object_options (fuzz_targets.azure_object_options; Azure targets only), with what Azurite
+    #: honours: an access tier and index tags it keeps, and an encryption scope it accepts (it refuses
+    #: customer-provided keys; an archived blob cannot be read back). A copy "beside" copies with them: Copy
+    #: Blob with the tier and tags, through the process with the scope ("all"). Derived, not drawn: the Azure
+    #: share of the CI tier keeps the layouts (and the discriminating incremental checks) it drew before.
+    Option("azure_object_options", "azure", (DEFAULT, "tier", "tags", "all"), kinds=("azure",), derived=True),
     # -- how the case calls DCP ----------------------------------------------------------------------------
     #: dcp.save, or dcp.async_save through the writer's staging pool.
     Option("async_save", "save", (False, True)),
@@ -133,13 +143,6 @@ OPTIONS: tuple[Option, ...] = (
     #: Copy the saved checkpoint with copy_checkpoint (an incremental one standalone) beside it in the same
     #: store (server-side) or to a local directory (streamed from a bucket), verify both, and load the copy.
     Option("copy", "case", (False, "beside", "to_disk")),
-    #: AzureConfig.object_options (fuzz_targets.azure_object_options; Azure targets only), with what Azurite
-    #: honours: an access tier and index tags it keeps, and an encryption scope it accepts (it refuses
-    #: customer-provided keys; an archived blob cannot be read back). A copy "beside" copies with them: Copy
-    #: Blob with the tier and tags, through the process with the scope ("all"). Drawn here, after the copy,
-    #: rather than with azure_transport_checksums: there the derandomized draws of the Azure kind held every
-    #: layout stock torch cannot hold plainly, which test_fuzz_accounting refuses.
-    Option("azure_object_options", "azure", (DEFAULT, "tier", "tags", "all"), kinds=("azure",)),
     #: Load twice with one reader (torch calls reset() only with a checkpoint_id: the second load reuses it
     #: as it is, like a model and then an optimizer loaded from one checkpoint); an overwrite and incremental
     #: case loads with it once more after its base is overwritten.
