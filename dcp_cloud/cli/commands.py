@@ -359,7 +359,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
 def _local_tier(path: str, remote: set[int]) -> None:
     """This node's local tier: each step, committed here or not, and drained to the root or not (yet: a step
     ``drain_every`` skips, or one whose drain waits)."""
-    from ..run.naming import StepNaming
+    from ..run.steps.naming import StepNaming
     from ..run.tiers.listing import scan
 
     found = sorted(scan(path, StepNaming()).values(), key=lambda s: s.step)

@@ -14,23 +14,23 @@ from ..errors import (
 from ..locations import Backend, StoreConfig
 from ..store.protocol import ObjectStore
 from .background import Background
-from .catalog import Directory
 from .group import Groups, exchange
-from .naming import StepNaming, check_step
 from .pending import PendingSave
-from .policy import RetentionPolicy
-from .report import RunReport, describe, recorded_policy
-from .retention import InFlight, PassReport, run_pass
+from .retention.passes import InFlight, PassReport, run_pass
+from .retention.policy import RetentionPolicy
 from .saves import Saves
 from .saving import agree
-from .stepinfo import StepRecord
+from .steps.catalog import Directory
+from .steps.naming import StepNaming, check_step
+from .steps.report import RunReport, describe, recorded_policy
+from .steps.stepinfo import StepRecord
+from .steps.view import View
 from .storage import RunStorage, WriterOptions
 from .strategy import RootSteps, StepHome, TieredSteps
 from .tiers.config import LocalTier
 from .tiers.driver import TierDriver
 from .tiers.runtime import LocalTiers
 from .tiers.worker import TierStats
-from .view import View
 
 log = logging.getLogger("dcp_cloud.run")
 

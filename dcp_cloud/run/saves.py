@@ -10,14 +10,14 @@ from typing import Any, Protocol
 from ..errors import CheckpointExistsError, StepExistsError
 from .background import Background
 from .group import Groups
-from .naming import StepNaming, check_step
 from .pending import InFlightSave, PendingSave
-from .policy import RetentionPolicy
+from .retention.policy import RetentionPolicy
 from .saving import conflict, copy_outcome, failure_of, plain, typed_save
-from .stepinfo import StepRecord, check_user_metadata
+from .steps.naming import StepNaming, check_step
+from .steps.stepinfo import StepRecord, check_user_metadata
+from .steps.view import View
 from .storage import RunStorage
 from .strategy import Rank0, StepHome
-from .view import View
 
 log = logging.getLogger("dcp_cloud.run")
 

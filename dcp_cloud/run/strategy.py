@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 from ..errors import StepExistsError
 from .loading import load_from_root
-from .stepinfo import StepRecord
+from .steps.stepinfo import StepRecord
+from .steps.view import View
 from .storage import RunStorage
 from .tiers.driver import TierDriver
-from .view import View
 
 #: ``rank0(work, check)``: the manager's exchange, ``work()`` on rank 0 and its result on every rank.
 Rank0 = Callable[..., Any]

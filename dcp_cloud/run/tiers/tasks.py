@@ -23,7 +23,7 @@ from ...format.createonly import put_create_only
 from ...format.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
 from ...store.clients import environment_digest
 from ..group import exchange
-from ..policy import Candidate, decide
+from ..retention.policy import Candidate, decide
 from .crashpoints import reached
 from .listing import mark_drained, scan
 from .p2p import FileMove, move_files
