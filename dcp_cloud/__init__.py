@@ -74,6 +74,7 @@ from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.azure.config import AzureConfig
 from .store.clients import close_clients
 from .store.gcs.config import GCSConfig
+from .store.gcs.objectopts import GCSObjectOptions
 from .store.s3.config import S3Config
 from .store.s3.objectopts import S3ObjectOptions
 from .transfer.stats import TransferStats
@@ -106,6 +107,7 @@ __all__ = [
     "ExportReport",
     "GCReport",
     "GCSConfig",
+    "GCSObjectOptions",
     "GCSReader",
     "GCSWriter",
     "InspectReport",
