@@ -15,6 +15,7 @@ import collections
 import hashlib
 import json
 import logging
+import pickle
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -265,3 +266,69 @@ def test_the_customer_key_never_shows_and_needs_https(
         store.head("ck/not-there")
     assert encoded not in str(missing.value) and "KKKK" not in str(missing.value)
     assert caplog.records and not [r for r in caplog.records if encoded in r.getMessage() or "KKKK" in r.getMessage()]
+
+
+def test_uploads_with_a_storage_class_send_the_callers_buffer(
+    gcs_emulator: Any, gcs_bucket: str, gcs_env: dict[str, str]
+) -> None:
+    """With a storage class, an upload is one uploadType=multipart POST whose body frames the caller's buffer
+    itself (no copy), and the object is stored with the class and the bytes."""
+    options = GCSObjectOptions(storage_class="ARCHIVE", user_project=PROJECT)
+    store = GCSStore(gcs_bucket, GCSConfig(endpoint=gcs_emulator.endpoint, object_options=options))
+    session = store._client_()._http
+    sent: list[tuple[str, Any, dict[str, str]]] = []
+    original = session.request
+
+    def spy(method: str, url: str, data: Any = None, headers: Any = None, **kw: Any) -> Any:
+        sent.append((url, data, dict(headers or {})))
+        return original(method, url, data=data, headers=headers, **kw)
+
+    session.request = spy
+    buffer = bytearray(range(256)) * 8192  # 2 MiB
+    try:
+        info = store.put("archived", memoryview(buffer))
+    finally:
+        del session.request
+    [(url, body, headers)] = sent
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+    assert query == {"uploadType": "multipart", "userProject": PROJECT}
+    assert headers["Content-Type"].startswith("multipart/related; boundary=")
+    pieces = body.pieces
+    assert len(pieces) == 3 and pieces[1].obj is buffer  # framing, the caller's buffer itself, framing
+    assert json.loads(bytes(pieces[0]).split(b"\r\n\r\n", 1)[1].split(b"\r\n", 1)[0])["storageClass"] == "ARCHIVE"
+    assert info.size == len(buffer) and store.get("archived") == bytes(buffer)
+    assert _stored_one(gcs_emulator.endpoint, gcs_bucket, "archived")["storageClass"] == "ARCHIVE"
+    store.close()
+
+
+def test_a_store_with_options_pickles_with_them() -> None:
+    """A process-based async_save pickles the store: the options (the key too) travel with it."""
+    config = GCSConfig(endpoint="https://storage.example", object_options=GCSObjectOptions(customer_encryption_key=KEY))
+    clone = pickle.loads(pickle.dumps(GCSStore("bucket", config)))  # noqa: S301 - our own bytes
+    assert clone.config == config and clone.config.object_options.customer_encryption_key == KEY  # type: ignore[union-attr]
+
+
+def test_copy_checkpoint_reads_and_writes_with_the_key(
+    gcs_emulator: Any, gcs_bucket: str, gcs_env: dict[str, str]
+) -> None:
+    """dcp_cloud.maintenance.copy_checkpoint (what ``dcp-cloud cp`` runs) copies server-side: every rewrite
+    sends the customer key for the source and the copy, and the copy loads bitwise equal."""
+    from dcp_cloud.maintenance import copy_checkpoint
+
+    _save_and_load(gcs_emulator.endpoint, gcs_bucket, CSEK)
+    with FaultProxy(gcs_emulator.endpoint, flavor="gcs", record_requests=True) as proxy:
+        config = GCSConfig(endpoint=proxy.url, object_options=CSEK)
+        copy_checkpoint(
+            f"gs://{gcs_bucket}/ck", f"gs://{gcs_bucket}/copy", source_config=config, destination_config=config
+        )
+        requests = list(proxy.requests or ())
+    rewrites = [r for r in requests if _kind(r) == "rewrite"]
+    assert len(rewrites) >= 2
+    for r in rewrites:
+        assert {k: r.headers.get(k) for k in (*CUSTOMER, *SOURCE)} == {**CUSTOMER, **SOURCE}, r.path
+        assert _params(r).get("userProject") == PROJECT
+    state = _state()
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    config = GCSConfig(endpoint=gcs_emulator.endpoint, object_options=CSEK)
+    dcp.load(out, storage_reader=GCSReader(f"gs://{gcs_bucket}/copy", config=config))
+    assert all(torch.equal(out[k], v) for k, v in state.items())

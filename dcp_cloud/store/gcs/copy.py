@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from ...errors import DcpCloudError
 from ..protocol import ObjectInfo
 from .compose import _epoch
-from .objectopts import blob_kwargs, bucket_kwargs
+from .objectopts import blob_kwargs
 
 
 class GCSStore(Protocol):
@@ -40,9 +40,9 @@ def rewrite_object(store: GCSStore, source_key: str, key: str, source_bucket: st
     store._check_key(key)
     client = store._client_()
     options = store.config.object_options
-    source = client.bucket(source_bucket or store.bucket, **bucket_kwargs(options)).blob(
-        source_key, **blob_kwargs(options)
-    )
+    # The rewrite's userProject, destination key and storage class come from the target (store._blob); of the
+    # source the library sends only its key (x-goog-copy-source-encryption-*).
+    source = client.bucket(source_bucket or store.bucket).blob(source_key, **blob_kwargs(options))
     target = store._blob(key)
     try:
         token, _, _ = target.rewrite(source, retry=None, timeout=store.request_timeout)
