@@ -75,6 +75,7 @@ from .store.azure.config import AzureConfig
 from .store.azure.objectopts import AzureObjectOptions
 from .store.clients import close_clients
 from .store.gcs.config import GCSConfig
+from .store.gcs.objectopts import GCSObjectOptions
 from .store.s3.config import S3Config
 from .store.s3.objectopts import S3ObjectOptions
 from .transfer.stats import TransferStats
@@ -108,6 +109,7 @@ __all__ = [
     "ExportReport",
     "GCReport",
     "GCSConfig",
+    "GCSObjectOptions",
     "GCSReader",
     "GCSWriter",
     "InspectReport",

@@ -26,7 +26,9 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "typed_errors", "verify",
     ),
     "dcp_cloud.store.s3": ("MiB", "GiB", "S3_PART_LIMITS", "S3Config", "S3ObjectOptions", "S3Store"),
-    "dcp_cloud.store.gcs": ("MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSStore"),
+    "dcp_cloud.store.gcs": (
+        "MiB", "TiB", "PARTS_MARKER", "COMPOSE_MAX_SOURCES", "GCSConfig", "GCSObjectOptions", "GCSStore",
+    ),
     "dcp_cloud.store.azure": (
         "AZURE_PART_LIMITS", "MAX_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PUT_BLOB_SIZE", "AzureConfig",
         "AzureObjectOptions", "AzureStore", "check_container",
@@ -74,7 +76,7 @@ def test_old_all_lists_still_hold() -> None:
     from dcp_cloud.testing import proxy
 
     assert set(s3.__all__) >= {"S3_PART_LIMITS", "S3Config", "S3Store"}
-    assert set(gcs.__all__) >= {"GCSConfig", "GCSStore"}
+    assert set(gcs.__all__) >= {"GCSConfig", "GCSObjectOptions", "GCSStore"}
     assert set(proxy.__all__) >= {
         "FAULT_KINDS", "FaultEvent", "FaultPlan", "FaultProxy", "ProxyStats", "RequestInfo", "TrafficCount"
     }  # fmt: skip
