@@ -163,6 +163,8 @@ AZURE_ALLOWED = {
     "dcp_cloud/dcp/factory.py": "writer_for / reader_for: the az row of the constructor table",
     "dcp_cloud/integrations/routing.py": "docstring: the URLs install() routes",
     "dcp_cloud/integrations/filesystem.py": "AzureFileSystem, the fsspec filesystem of each cloud",
+    "dcp_cloud/cli/objectargs.py": "the bucket options of each cloud: AzureObjectOptions among them",
+    "dcp_cloud/store/optioncheck.py": "docstring: the object options of each cloud the checks serve",
     "dcp_cloud/integrations/lightning.py": "the fsspec filesystem class of each cloud; AzureConfig among the configs",
     "dcp_cloud/locations/__init__.py": "docstring: the URIs and configs of the location seam",
     "dcp_cloud/locations/locate.py": "the location seam: Azure blob URLs and AzureConfig, once",

@@ -11,16 +11,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-from ...errors import ConfigError
+from ..optioncheck import check_customer_key, check_key_endpoint, check_tags, require
 
 _TIERS = ("Hot", "Cool", "Cold", "Archive")
 #: Encryption scope names: 3-63 letters and digits.
 _SCOPE_RE = re.compile(r"^[A-Za-z0-9]{3,63}$")
 #: What Azure allows in blob index tag keys and values: ASCII letters, digits, spaces and + - . / : = _
 _TAG_RE = re.compile(r"^[A-Za-z0-9 +\-./:=_]*$")
-_MAX_TAGS = 10
 
 #: The requests of the store (Blob service operation names).
 PUT_BLOB = "PutBlob"
@@ -43,11 +42,6 @@ OPERATIONS: Mapping[str, tuple[str, ...]] = {
     "x-ms-access-tier": (*_NEW_BLOB, COPY_BLOB),
     "x-ms-tags": (*_NEW_BLOB, COPY_BLOB),
 }
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -77,43 +71,29 @@ class AzureObjectOptions:
 
     def __post_init__(self) -> None:
         if self.encryption_scope is not None:
-            _require(
+            require(
                 isinstance(self.encryption_scope, str) and bool(_SCOPE_RE.match(self.encryption_scope)),
                 f"encryption_scope must name an encryption scope of the account (3-63 letters and digits), "
                 f"got {self.encryption_scope!r}",
             )
         if self.customer_provided_key is not None:
             # Never echo the key itself.
-            _require(
-                isinstance(self.customer_provided_key, bytes) and len(self.customer_provided_key) == 32,
-                "customer_provided_key must be 32 bytes (an AES-256 key), e.g. os.urandom(32)",
-            )
-            _require(
+            check_customer_key(self.customer_provided_key, "customer_provided_key")
+            require(
                 self.encryption_scope is None,
                 "customer_provided_key cannot be combined with encryption_scope: choose one",
             )
-        _require(
+        require(
             isinstance(self.allow_customer_provided_key_over_http, bool),
             "allow_customer_provided_key_over_http must be a bool",
         )
-        _require(
+        require(
             self.access_tier is None or self.access_tier in _TIERS,
             f"access_tier must be one of {_TIERS} or None (the names are case-sensitive), got {self.access_tier!r}",
         )
         if self.tags is not None:
-            _require(isinstance(self.tags, Mapping), f"tags must be a dict of str to str, got {self.tags!r}")
-            _require(len(self.tags) <= _MAX_TAGS, f"Azure allows at most 10 tags per blob, got {len(self.tags)}")
-            for k, v in self.tags.items():
-                _require(
-                    isinstance(k, str) and isinstance(v, str) and 1 <= len(k) <= 128 and len(v) <= 256,
-                    f"tags must map keys of 1-128 characters to values of 0-256, got {k!r}: {v!r}",
-                )
-                _require(
-                    bool(_TAG_RE.match(k) and _TAG_RE.match(v)),
-                    f"tag {k!r}: {v!r} has a character Azure refuses in blob index tags: use ASCII letters, "
-                    "digits, spaces and + - . / : = _ only",
-                )
-            object.__setattr__(self, "tags", dict(self.tags))
+            tags = check_tags(self.tags, "Azure", "blob", _TAG_RE, "ASCII letters, digits, spaces and + - . / : = _")
+            object.__setattr__(self, "tags", tags)
 
     def __hash__(self) -> int:  # tags is a dict: hash what it holds (and never the key itself)
         return hash(
@@ -125,11 +105,9 @@ class AzureObjectOptions:
         """ConfigError where a customer-provided key would go over plain http without the explicit allowance."""
         if self.customer_provided_key is None or self.allow_customer_provided_key_over_http:
             return
-        if endpoint is not None and urlsplit(endpoint).scheme != "https":
-            raise ConfigError(
-                "customer_provided_key is sent only over https: the endpoint is plain http; for an emulator set "
-                "AzureObjectOptions(allow_customer_provided_key_over_http=True)"
-            )
+        check_key_endpoint(
+            endpoint, "customer_provided_key", "AzureObjectOptions(allow_customer_provided_key_over_http=True)"
+        )
 
     @property
     def copies_in_service(self) -> bool:

@@ -15,9 +15,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
-from ...errors import ConfigError
+from ..optioncheck import check_customer_key, check_key_endpoint, require
 
 #: ``projects/P/locations/L/keyRings/R/cryptoKeys/K`` (no ``cryptoKeyVersions``: GCS wants the key).
 _KMS_RE = re.compile(r"^projects/[^/\s]+/locations/[^/\s]+/keyRings/[^/\s]+/cryptoKeys/[^/\s]+$")
@@ -28,11 +27,6 @@ _PROJECT_RE = re.compile(r"^(([a-z0-9.-]+:)?[a-z][a-z0-9-]{4,28}[a-z0-9]|[0-9]{1
 #: The requests the store makes itself (the library makes the others, from :func:`bucket_kwargs` and
 #: :func:`blob_kwargs`): media and multipart uploads, ranged media GETs, composes.
 Op = Literal["upload", "read", "compose"]
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -62,32 +56,29 @@ class GCSObjectOptions:
 
     def __post_init__(self) -> None:
         if self.kms_key_name is not None:
-            _require(
+            require(
                 isinstance(self.kms_key_name, str) and bool(_KMS_RE.match(self.kms_key_name)),
                 "kms_key_name must name a Cloud KMS key as "
                 f"'projects/P/locations/L/keyRings/R/cryptoKeys/K' (no cryptoKeyVersions), got {self.kms_key_name!r}",
             )
         if self.customer_encryption_key is not None:
             # Never echo the key itself.
-            _require(
-                isinstance(self.customer_encryption_key, bytes) and len(self.customer_encryption_key) == 32,
-                "customer_encryption_key must be 32 bytes (an AES-256 key), e.g. os.urandom(32)",
-            )
-            _require(
+            check_customer_key(self.customer_encryption_key, "customer_encryption_key")
+            require(
                 self.kms_key_name is None,
                 "customer_encryption_key (CSEK) cannot be combined with kms_key_name (CMEK): choose one",
             )
-        _require(
+        require(
             isinstance(self.allow_customer_encryption_key_over_http, bool),
             "allow_customer_encryption_key_over_http must be a bool",
         )
         if self.user_project is not None:
-            _require(
+            require(
                 isinstance(self.user_project, str) and bool(_PROJECT_RE.match(self.user_project)),
                 f"user_project must be the id of the project to bill, like 'my-project-123', got {self.user_project!r}",
             )
         if self.storage_class is not None:
-            _require(
+            require(
                 isinstance(self.storage_class, str) and bool(_STORAGE_CLASS_RE.match(self.storage_class)),
                 f"storage_class must be a GCS storage class like 'NEARLINE' or 'COLDLINE', got {self.storage_class!r}",
             )
@@ -96,11 +87,9 @@ class GCSObjectOptions:
         """ConfigError where a customer key would go over plain http without the explicit allowance."""
         if self.customer_encryption_key is None or self.allow_customer_encryption_key_over_http:
             return
-        if endpoint is not None and urlsplit(endpoint).scheme != "https":
-            raise ConfigError(
-                "customer_encryption_key (CSEK) is sent only over https: the endpoint is plain http; for an emulator "
-                "set GCSObjectOptions(allow_customer_encryption_key_over_http=True)"
-            )
+        check_key_endpoint(
+            endpoint, "customer_encryption_key (CSEK)", "GCSObjectOptions(allow_customer_encryption_key_over_http=True)"
+        )
 
 
 def request_params(options: GCSObjectOptions | None, op: Op) -> list[tuple[str, str]]:
