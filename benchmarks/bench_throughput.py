@@ -30,6 +30,9 @@ Contenders:
                        (its default, range-coalescing reader), from a ``pip --target`` directory
                        put first on sys.path in that contender's child process only, or run by
                        another interpreter;
+* ``dcp_cloud_kms``    (opt-in, S3 only) ``dcp_cloud`` writing every object with SSE-KMS and a Bucket Key
+                       (``S3ObjectOptions(sse="aws:kms", bucket_key=True)``): what the options cost
+                       the client and the server (moto records the encryption; it encrypts nothing);
 * ``dcp_cloud_ref``    (with ``--ref-path``) the ``dcp_cloud`` contender run from another checkout
                        (e.g. ``git worktree add /tmp/main-ref main``): old code beside new, one run.
 """
@@ -54,10 +57,10 @@ import _common as C  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_CONTENDERS = ("dcp_cloud", "dcp_cloud_nocrc", "wire", "stock_fs_t1", "stock_fs_t4", "dcp_cloud_local")
-ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_local_nocrc", "s3tc_t1", "s3tc_t4", "dcp_cloud_ref")
+ALL_CONTENDERS = (*DEFAULT_CONTENDERS, "dcp_cloud_local_nocrc", "s3tc_t1", "s3tc_t4", "dcp_cloud_ref", "dcp_cloud_kms")
 LOCAL = ("dcp_cloud_local", "dcp_cloud_local_nocrc")
 S3TC = ("s3tc_t1", "s3tc_t4")
-CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "dcp_cloud_ref", *S3TC}
+CLOUD = {"dcp_cloud", "dcp_cloud_nocrc", "wire", "dcp_cloud_ref", "dcp_cloud_kms", *S3TC}
 #: Other libraries (the "peers" the goals compare with).
 PEERS = S3TC
 S3TC_VERSION = "1.5.0"
@@ -72,6 +75,7 @@ LABELS = {
     "s3tc_t1": f"s3torchconnector {S3TC_VERSION} DCP (t=1)",
     "s3tc_t4": f"s3torchconnector {S3TC_VERSION} DCP (t=4)",
     "dcp_cloud_ref": "dcp_cloud (checksums on) from --ref-path",
+    "dcp_cloud_kms": "dcp_cloud, SSE-KMS + Bucket Key",
 }
 
 
@@ -361,7 +365,8 @@ def _dcp_writer(spec: dict[str, Any]) -> Any:
             "file://" + spec["path"], transfer=_transfer_config(spec), checksums=c == "dcp_cloud_local"
         )
     cls = dcp_cloud.S3Writer if spec["backend"] == "s3" else dcp_cloud.GCSWriter
-    return cls(spec["uri"], transfer=_transfer_config(spec), checksums=c != "dcp_cloud_nocrc")
+    kw = {"config": _kms_config()} if c == "dcp_cloud_kms" else {}
+    return cls(spec["uri"], transfer=_transfer_config(spec), checksums=c != "dcp_cloud_nocrc", **kw)
 
 
 def _dcp_reader(spec: dict[str, Any]) -> Any:
@@ -377,7 +382,15 @@ def _dcp_reader(spec: dict[str, Any]) -> Any:
             "file://" + spec["path"], transfer=_transfer_config(spec, verify_checksums=c == "dcp_cloud_local")
         )
     cls = dcp_cloud.S3Reader if spec["backend"] == "s3" else dcp_cloud.GCSReader
-    return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c != "dcp_cloud_nocrc"))
+    kw = {"config": _kms_config()} if c == "dcp_cloud_kms" else {}
+    return cls(spec["uri"], transfer=_transfer_config(spec, verify_checksums=c != "dcp_cloud_nocrc"), **kw)
+
+
+def _kms_config() -> Any:
+    """The ``dcp_cloud_kms`` contender's S3Config (endpoint and region from the environment, as the others')."""
+    from dcp_cloud import S3Config, S3ObjectOptions
+
+    return S3Config(object_options=S3ObjectOptions(sse="aws:kms", bucket_key=True))
 
 
 def _s3tc_config() -> Any:
@@ -647,6 +660,7 @@ def render(summary: dict[str, dict[str, Any]], args: argparse.Namespace, env: di
     ratio_row("dcp_cloud / wire", "dcp_cloud", "wire", ">= 0.80")
     ratio_row("dcp_cloud (checksums off) / wire", "dcp_cloud_nocrc", "wire", "")
     ratio_row("checksums on / off", "dcp_cloud", "dcp_cloud_nocrc", ">= 0.95 (checksums cost < 5%)")
+    ratio_row("SSE-KMS + Bucket Key / no options", "dcp_cloud_kms", "dcp_cloud", ">= 0.95 (SSE-KMS costs < 5%)")
     ratio_row("dcp_cloud local / stock t=1", "dcp_cloud_local", "stock_fs_t1", "")
     ratio_row("local disk: checksums on / off", "dcp_cloud_local", "dcp_cloud_local_nocrc", "")
     for peer in PEERS:
@@ -708,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("s3tc_* contenders need --s3tc-target or --s3tc-python")
     if "dcp_cloud_ref" in contenders and not args.ref_path:
         sys.exit("dcp_cloud_ref needs --ref-path")
+    if "dcp_cloud_kms" in contenders and args.backend != "s3":
+        sys.exit("dcp_cloud_kms works with --backend s3 only")
     if args.s3tc_python or args.s3tc_target:
         if args.backend != "s3":
             sys.exit("--s3tc-python / --s3tc-target work with --backend s3 only")

@@ -72,8 +72,10 @@ from .planner.save import BalancedSavePlanner
 from .run import CheckpointManager, LocalTier, PendingSave, RetentionPolicy, StepNaming, TierStats
 from .safetensors import ExportReport, SafetensorsReader, export_safetensors
 from .store.azure.config import AzureConfig
+from .store.azure.objectopts import AzureObjectOptions
 from .store.clients import close_clients
 from .store.gcs.config import GCSConfig
+from .store.gcs.objectopts import GCSObjectOptions
 from .store.s3.config import S3Config
 from .store.s3.objectopts import S3ObjectOptions
 from .transfer.stats import TransferStats
@@ -86,6 +88,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AzureConfig",
+    "AzureObjectOptions",
     "AzureReader",
     "AzureWriter",
     "BalancedSavePlanner",
@@ -106,6 +109,7 @@ __all__ = [
     "ExportReport",
     "GCReport",
     "GCSConfig",
+    "GCSObjectOptions",
     "GCSReader",
     "GCSWriter",
     "InspectReport",

@@ -217,8 +217,8 @@ def test_s3_bucket_options_reach_the_copy_and_an_sse_c_key_comes_from_a_file(
     key_file.write_bytes(__import__("base64").b64encode(key) + b"\n")
     capsys.readouterr()
     with FaultProxy(endpoint, record_requests=True) as proxy:
-        sse_c = ["--endpoint", proxy.url, "--sse-customer-key-file", str(key_file)]
-        assert main(["verify", f"s3://{s3_bucket}/dst", *sse_c, "--allow-sse-customer-key-over-http", "-q"]) == 0
+        sse_c = ["--endpoint", proxy.url, "--customer-key-file", str(key_file)]
+        assert main(["verify", f"s3://{s3_bucket}/dst", *sse_c, "--allow-customer-key-over-http", "-q"]) == 0
         gets = [r for r in proxy.requests or () if r.method == "GET" and r.path.startswith(f"/{s3_bucket}/dst/")]
     assert gets, "verify read nothing"
     md5 = __import__("base64").b64encode(__import__("hashlib").md5(key).digest()).decode()
@@ -227,9 +227,49 @@ def test_s3_bucket_options_reach_the_copy_and_an_sse_c_key_comes_from_a_file(
     # Over plain http without the allowance, and with a malformed key file: usage errors, the key never shown.
     assert main(["verify", f"s3://{s3_bucket}/dst", *sse_c, "-q"]) == 2
     (tmp_path / "short").write_bytes(b"x" * 31)
-    bad = ["verify", f"s3://{s3_bucket}/dst", "--sse-customer-key-file", str(tmp_path / "short"), "-q"]
+    bad = ["verify", f"s3://{s3_bucket}/dst", "--customer-key-file", str(tmp_path / "short"), "-q"]
     assert main(bad) == 2
     assert main(["ls", "gs://b/run", "--sse", "AES256"]) == 2
     err = capsys.readouterr().err
     assert "only over https" in err and "neither 32 raw bytes" in err and "cannot be used with gs://" in err
     assert __import__("base64").b64encode(key).decode() not in err
+
+
+def test_gcs_and_azure_bucket_options_reach_a_copy_across_clouds(
+    s3_bucket: str,
+    gcs_emulator: object,
+    gcs_env: dict[str, str],
+    gcs_bucket: str,
+    azure_env: dict[str, str],
+    azure_container: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from azure.storage.blob import BlobServiceClient
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    dcp_cloud.save(_state(), storage_writer=S3Writer(f"s3://{s3_bucket}/src"))
+    src = f"s3://{s3_bucket}/src"
+    assert main(["cp", src, f"gs://{gcs_bucket}/dst", "--storage-class", "NEARLINE", "-q"]) == 0
+    assert main(["cp", src, f"az://{azure_container}/dst", "--access-tier", "Cool", "--tag", "team=ml", "-q"]) == 0
+    gcs = storage.Client(
+        project=gcs_env["GOOGLE_CLOUD_PROJECT"],
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": gcs_emulator.endpoint},  # type: ignore[attr-defined]
+    )
+    blobs = list(gcs.list_blobs(gcs_bucket, prefix="dst/"))
+    assert len(blobs) >= 2 and {b.storage_class for b in blobs} == {"NEARLINE"}, [b.name for b in blobs]
+    container = BlobServiceClient.from_connection_string(azure_env["AZURE_STORAGE_CONNECTION_STRING"])
+    container = container.get_container_client(azure_container)
+    names = [b.name for b in container.list_blobs(name_starts_with="dst/")]
+    assert len(names) >= 2
+    for name in names:
+        blob = container.get_blob_client(name)
+        assert blob.get_blob_properties().blob_tier == "Cool", name
+        assert blob.get_blob_tags() == {"team": "ml"}, name
+    # An option of no end's cloud, or of another cloud than the URI's: usage errors.
+    assert main(["cp", src, f"gs://{gcs_bucket}/again", "--access-tier", "Cool", "-q"]) == 2
+    cmek = "projects/p/locations/l/keyRings/r/cryptoKeys/k"
+    assert main(["ls", f"az://{azure_container}", "--kms-key-name", cmek]) == 2
+    err = capsys.readouterr().err
+    assert "apply to neither end's cloud" in err and "cannot be used with az://" in err

@@ -119,7 +119,7 @@ def _run(root: Path, scenario: Scenario) -> str:
 
 def _tokens_ok(mgr: Any, root: Path) -> None:
     """Every shard in a committed step's directory belongs to it or to a step that references it."""
-    from dcp_cloud.run.stepinfo import token_of
+    from dcp_cloud.run.steps.stepinfo import token_of
 
     catalog = mgr._storage.catalog
     listing = catalog.list()

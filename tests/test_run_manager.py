@@ -130,8 +130,8 @@ def test_a_restarted_job_lists_the_root_while_its_model_is_built(run_root: Path)
 def test_commits_made_while_the_first_listing_runs_stay_in_the_view() -> None:
     import threading
 
-    from dcp_cloud.run.catalog import Directory, Listing
-    from dcp_cloud.run.view import View
+    from dcp_cloud.run.steps.catalog import Directory, Listing
+    from dcp_cloud.run.steps.view import View
 
     release = threading.Event()
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from dcp_cloud.errors import ConfigError, CorruptCheckpointError, InvalidStepError, MissingMetricError
 from dcp_cloud.format.layout import spread_dir
-from dcp_cloud.run.catalog import classify
-from dcp_cloud.run.naming import StepNaming, check_step
-from dcp_cloud.run.policy import Candidate, RetentionPolicy, decide
-from dcp_cloud.run.stepinfo import Objects, StepRecord, check_user_metadata, objects_of, token_of
+from dcp_cloud.run.retention.policy import Candidate, RetentionPolicy, decide
+from dcp_cloud.run.steps.catalog import classify
+from dcp_cloud.run.steps.naming import StepNaming, check_step
+from dcp_cloud.run.steps.stepinfo import Objects, StepRecord, check_user_metadata, objects_of, token_of
 from dcp_cloud.store.protocol import ObjectInfo
 
 # -- retention -----------------------------------------------------------------------------------------------

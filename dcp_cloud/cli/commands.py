@@ -20,16 +20,16 @@ class UsageError(Exception):
     """A command line that parses but cannot be run (exit status 2)."""
 
 
-def _object_options(args: argparse.Namespace) -> Any:
+def _object_options(args: argparse.Namespace, scheme: str) -> Any:
     try:
-        return objectargs.object_options(args)
+        return objectargs.object_options(args, scheme)
     except (objectargs.ObjectArgError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
 
 
 def store_config(args: argparse.Namespace, uri: str | None = None, *, strict: bool = True) -> Any:
     """The options of the URI's cloud from ``--endpoint``, ``--region``, ``--project``, ``--account`` and the
-    S3 bucket options (an ``S3Config``, ``GCSConfig`` or ``AzureConfig``; None when none is given); with
+    bucket options (an ``S3Config``, ``GCSConfig`` or ``AzureConfig``; None when none is given); with
     ``strict``, options of another cloud are a usage error (otherwise they are not applied to this URI)."""
     from ..locations import config_with, scheme_of
 
@@ -44,13 +44,12 @@ def store_config(args: argparse.Namespace, uri: str | None = None, *, strict: bo
     }
     mapping = accepted.get(scheme, {})
     wrong = [f"--{name}" for name in given if name not in mapping]
-    if scheme != "s3":
-        wrong += objectargs.given(args)
+    wrong += objectargs.misfits(args, scheme)
     if wrong and strict:
         raise UsageError(f"{', '.join(wrong)} cannot be used with {scheme or 'this'}:// URIs")
     keywords = {mapping[name]: value for name, value in given.items() if name in mapping}
-    if scheme == "s3":
-        keywords["object_options"] = _object_options(args)
+    if scheme in ("s3", "gs", "az"):
+        keywords["object_options"] = _object_options(args, scheme)
     try:
         return config_with(scheme, None, **keywords)
     except ConfigError as exc:  # options that cannot go together (an SSE-C key to an http:// endpoint)
@@ -205,8 +204,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
     from ..locations import scheme_of
     from ..maintenance import copy_checkpoint
 
-    if objectargs.given(args) and "s3" not in (scheme_of(args.source), scheme_of(args.destination)):
-        raise UsageError(f"{', '.join(objectargs.given(args))} apply to s3:// ends, and neither end is one")
+    ends = (scheme_of(args.source), scheme_of(args.destination))
+    unused = set(objectargs.misfits(args, ends[0])) & set(objectargs.misfits(args, ends[1]))
+    if unused:
+        raise UsageError(f"{', '.join(sorted(unused))} apply to neither end's cloud ({ends[0]}://, {ends[1]}://)")
     report = copy_checkpoint(
         args.source,
         args.destination,
@@ -359,7 +360,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
 def _local_tier(path: str, remote: set[int]) -> None:
     """This node's local tier: each step, committed here or not, and drained to the root or not (yet: a step
     ``drain_every`` skips, or one whose drain waits)."""
-    from ..run.naming import StepNaming
+    from ..run.steps.naming import StepNaming
     from ..run.tiers.listing import scan
 
     found = sorted(scan(path, StepNaming()).values(), key=lambda s: s.step)

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="copy an incremental checkpoint with the base objects it references, into a self-contained one",
     )
-    objectargs.add_arguments(cp)  # to every s3:// end: the copy's new objects, an SSE-C source's reads
+    objectargs.add_arguments(cp)  # to each end they apply to: the copy's new objects, a keyed source's reads
 
     export = commands.add_parser(
         "export",

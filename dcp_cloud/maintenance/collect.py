@@ -60,7 +60,7 @@ def _local_upload_scopes(root: OpenedLocation) -> list[tuple[ObjectStore, str, s
     return scopes
 
 
-def _pending_uploads(root: OpenedLocation) -> tuple[list[_Upload], str | None]:
+def pending_uploads(root: OpenedLocation) -> tuple[list[_Upload], str | None]:
     """The uploads under the root, and why they were not looked at (None when they were)."""
     scopes = _local_upload_scopes(root) if root.scheme == "file" else [(root.store, root.list_prefix(), "")]
     found = []
@@ -260,7 +260,7 @@ def gc(
             except (AttributeError, TypeError):  # malformed records: that checkpoint is skipped below
                 continue
         run = _Collector(root, float(older_than), bool(dry_run), protected)
-        uploads, run.uploads_unchecked = _pending_uploads(root)
+        uploads, run.uploads_unchecked = pending_uploads(root)
         groups = _group(root.store.list(root.list_prefix()))
         by_prefix: dict[str, list[_Upload]] = defaultdict(list)
         for up in uploads:

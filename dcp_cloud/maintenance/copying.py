@@ -217,7 +217,7 @@ def _copy(
             f"{destination} was committed by someone else while cp ran; nothing of this copy is referenced there"
         ) from exc
     if overwrite:
-        _delete_unreferenced(dst, set(rename.values()))
+        delete_unreferenced(dst, set(rename.values()))
     report = CopyReport(
         source=source,
         destination=destination,
@@ -327,7 +327,7 @@ def _check_copies(dst: OpenedLocation, sizes: dict[str, int], regions: dict[str,
                 stream_object(engine, key, size, stream_checker(regions[name], dst.url(key)), None, None)
 
 
-def _delete_unreferenced(dst: OpenedLocation, keep: set[str]) -> None:
+def delete_unreferenced(dst: OpenedLocation, keep: set[str]) -> None:
     """After an overwrite commit: shards of the replaced checkpoint that the new metadata does not reference."""
     prefix = dst.list_prefix()
     stale = [

@@ -3,21 +3,20 @@
 
 :class:`CheckpointManager` is the one public class (with its options
 :class:`RetentionPolicy` and :class:`StepNaming`, and :class:`PendingSave`).
-Modules, one job each: ``naming`` (step names), ``catalog`` (one listing
-classified: where "committed" is decided), ``stepinfo`` (a step's record),
-``policy`` (which steps stay: pure), ``retention`` (passes that delete),
-``leases`` (readers' leases), ``storage`` (the root's store and each step's
-writer and reader), ``writer`` (the step's writer), ``group`` (collectives),
-``saving`` (a save's data half and its errors), ``background`` (the save in
-flight and the retention it starts), ``view`` (rank 0's committed steps),
-``report`` (``describe``), ``manager`` (the public class), and ``tiers/`` (a node-local tier, peer replicas
-and the drain to the root: :class:`LocalTier`).
+``manager`` (the public class, a facade) composes ``strategy`` (where steps go: the root, or a local tier),
+``saves`` (a step's save: agreed, written, committed; ``saving``: its data half and its errors),
+``loading`` (a load from the root), ``background`` (the save in flight and the retention it starts),
+``storage`` (the root's store and each step's writer and reader), ``writer`` (a step's writer: its record
+before its commit), ``group`` (collectives) and ``pending`` (a save's handle), over three packages:
+``steps/`` (step names, one listing classified: where "committed" is decided, each step's record, rank 0's
+view, ``describe``), ``retention/`` (which steps stay: pure rules, the passes that delete, readers' leases)
+and ``tiers/`` (a node-local tier, peer replicas and the drain to the root: :class:`LocalTier`).
 """
 
 from .manager import CheckpointManager
-from .naming import StepNaming
 from .pending import PendingSave
-from .policy import RetentionPolicy
+from .retention.policy import RetentionPolicy
+from .steps.naming import StepNaming
 from .tiers.config import LocalTier
 from .tiers.worker import TierStats
 

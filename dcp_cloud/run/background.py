@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .pending import InFlightSave
-from .retention import PassReport, Worker
+from .retention.passes import PassReport, Worker
 
 log = logging.getLogger("dcp_cloud.run")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from ..dcp.typed import load as typed_load
 from ..errors import DcpCloudError
-from . import leases
-from .naming import check_step
+from .retention import leases
+from .steps.naming import check_step
 
 log = logging.getLogger("dcp_cloud.run")
 

@@ -3,36 +3,34 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from typing import Any
 
 from ..config import RetryConfig, TransferConfig
 from ..dcp.device.stagingconfig import StagingConfig
 from ..errors import (
-    CheckpointExistsError,
     ConfigError,
     DcpCloudError,
-    StepExistsError,
 )
 from ..locations import Backend, StoreConfig
 from ..store.protocol import ObjectStore
 from .background import Background
-from .catalog import Directory
 from .group import Groups, exchange
-from .loading import load_from_root
-from .naming import StepNaming, check_step
-from .pending import InFlightSave, PendingSave
-from .policy import RetentionPolicy
-from .report import RunReport, describe, recorded_policy
-from .retention import InFlight, PassReport, run_pass
-from .saving import agree, conflict, copy_outcome, failure_of, plain, typed_save
-from .stepinfo import StepRecord, check_user_metadata
+from .pending import PendingSave
+from .retention.passes import InFlight, PassReport, run_pass
+from .retention.policy import RetentionPolicy
+from .saves import Saves
+from .saving import agree
+from .steps.catalog import Directory
+from .steps.naming import StepNaming, check_step
+from .steps.report import RunReport, describe, recorded_policy
+from .steps.stepinfo import StepRecord
+from .steps.view import View
 from .storage import RunStorage, WriterOptions
+from .strategy import RootSteps, StepHome, TieredSteps
 from .tiers.config import LocalTier
 from .tiers.driver import TierDriver
 from .tiers.runtime import LocalTiers
 from .tiers.worker import TierStats
-from .view import View
 
 log = logging.getLogger("dcp_cloud.run")
 
@@ -131,11 +129,15 @@ class CheckpointManager:
         self._view = View(lambda: self._storage.catalog, self.root)
         #: The save in flight, its failure not raised yet, and the retention its commits start.
         self._background = Background(self.root, self._retention_pass)
-        self._tiers = (
-            TierDriver(LocalTiers(self.local, self._storage, self._groups, self.naming), self._drained)
+        #: Where the steps go: the root, or the local tier with its peers and its drain (see :mod:`.strategy`).
+        self._home: StepHome = (
+            TieredSteps(
+                TierDriver(LocalTiers(self.local, self._storage, self._groups, self.naming), self._drained), self._view
+            )
             if self.local is not None
-            else None
+            else RootSteps(self._storage)
         )
+        self._saves = Saves(self, self._groups, self._background, self._home, self._view, self._storage, self._rank0)
         self._closed = False
 
     # -- pickling: configuration only ------------------------------------------
@@ -207,12 +209,7 @@ class CheckpointManager:
         manager did since (``refresh=True`` lists again). With a local tier, the steps complete on some tier
         (lost steps are named in a warning, or raise as in :meth:`latest_step`)."""
         self._check_open()
-        if self._tiers is not None:
-            view = self._tiers.tiers.gather()
-            driver = self._tiers
-            listing = lambda: self._view.current(refresh)  # noqa: E731
-            return self._rank0(lambda: driver.loadable(view, driver.remote_steps(listing)))
-        return sorted(self._rank0(lambda: list(self._view.current(refresh))))
+        return self._home.steps(self._rank0, lambda: self._view.current(refresh))
 
     def latest_step(self, *, refresh: bool = False) -> int | None:
         """The newest committed step, or None when the run has none. With a local tier, the newest step complete on
@@ -227,10 +224,9 @@ class CheckpointManager:
         self._check_open()
 
         def read() -> dict[str, Any]:
-            if self._tiers is not None:
-                local = self._tiers.tiers.local_record(check_step(step))
-                if local is not None:
-                    return dict(local.metadata)
+            local = self._home.local_record(check_step(step))
+            if local is not None:
+                return dict(local.metadata)
             return dict(self._storage.catalog.known(self._directory_of(step)).record.metadata)
 
         return self._rank0(read, lambda: check_step(step))
@@ -274,17 +270,8 @@ class CheckpointManager:
         ``{"loss": 1.93}``. A step at or below the newest committed one raises StepExistsError unless
         ``overwrite``. Waits for a save in flight first, and raises its error if it failed.
         """
-        pending = self._begin(step, metadata, overwrite)
-        group = self._groups.for_saves()
-        try:
-            typed_save(plain(state), pending.writer, planner, group)
-            self._local_committed(pending, group)
-        except BaseException as exc:
-            failure = self._failure_of(pending, exc)
-            self._background.settle(pending, failure, self._committed(pending), keep=False)
-            raise failure from exc
-        pending.staged.set_result(None)
-        self._background.settle(pending, None, self._committed(pending))
+        self._check_open()
+        self._saves.save(step, state, metadata, overwrite, planner)
 
     def async_save(
         self,
@@ -299,118 +286,8 @@ class CheckpointManager:
         background; returns once training may change the state again (with ``StagingConfig(background=True)``,
         once the returned handle's ``staged()`` returns). Same rules as :meth:`save`; the upload's failure is
         raised by the next save, :meth:`wait` or :meth:`close`."""
-        pending = self._begin(step, metadata, overwrite)
-        group = self._groups.for_saves()
-        staging_error: BaseException | None = None
-        try:
-            staged: Any = pending.writer.stage(plain(state))
-        except Exception as exc:  # noqa: BLE001 - carried into the save, where torch hands it to every rank
-            log.error("staging step %d failed: %s", pending.step, exc)
-            staging_error, staged = exc, {}
-        if staging_error is not None:
-            pending.staged.set_exception(staging_error)
-        elif isinstance(staged, Future):
-            staged.add_done_callback(lambda f: copy_outcome(f, pending.staged))
-        else:
-            pending.staged.set_result(None)
-        self._background.submit(self._upload, pending, staged, staging_error, planner, group)
-        return PendingSave(pending)
-
-    def _upload(
-        self, pending: InFlightSave, staged: Any, error: BaseException | None, planner: Any, group: Any
-    ) -> None:
-        """The background half of an async save (one thread per manager)."""
-        if error is None and isinstance(staged, Future):
-            try:
-                staged = staged.result()
-            except Exception as exc:  # noqa: BLE001 - as in async_save
-                error, staged = exc, {}
-        if error is not None:
-            pending.writer.fail_at_setup(error)  # this rank fails the save's first step: every rank hears of it
-        try:
-            typed_save(staged, pending.writer, planner, group)
-            self._local_committed(pending, group)
-        except BaseException as exc:  # noqa: BLE001 - kept for the next call on the main thread
-            self._background.settle(pending, self._failure_of(pending, exc), self._committed(pending))
-            return
-        self._background.settle(pending, None, self._committed(pending))
-
-    def _begin(self, step: int, metadata: dict[str, Any] | None, overwrite: bool) -> InFlightSave:
-        """Everything before the data moves: wait for the save in flight, agree on the step, build the writer."""
         self._check_open()
-        lead = self._groups.rank() == 0
-
-        def check() -> tuple[int, bool]:
-            self._background.settle_pending(raise_failure=True)
-            if self._tiers is None:
-                self._storage.prepare()
-            return check_step(step), bool(overwrite)
-
-        if self._tiers is not None:
-            self._tiers.recover(self._view.current)
-
-        def plan() -> tuple[str, str | None, dict[str, Any]]:
-            number = check_step(step)
-            info = check_user_metadata(metadata)
-            self.retention.metric_of(number, info)
-            if overwrite:
-                self._background.wait_retention()  # a pass must not clean up beside an overwrite of a committed step
-            view = self._view.current() if self._tiers is None else self._tiers.remote_steps(self._view.current)
-            local = self._tiers.tiers.local_steps if self._tiers is not None else {}
-            latest = max([*view, *local], default=None)
-            if latest is not None and number <= latest and not overwrite:
-                what = "is already committed" if number in view else f"is below the newest committed step {latest}"
-                raise StepExistsError(
-                    f"step {number} {what} in {self.root}: steps must grow. Pass overwrite=True to save it again, "
-                    "or resume with load() to continue from the newest step",
-                    number,
-                    latest,
-                )
-            tiers = self._tiers
-            lost = tiers.lost.get(number) if tiers is not None else None
-            replace = False
-            if tiers is not None and lost is not None:
-                replace = bool(overwrite) or number in tiers.loaded_past
-                if not replace:
-                    raise StepExistsError(
-                        f"{tiers.describe_lost(number)}. Pass overwrite=True to save it again over its remains, or "
-                        "call discard_lost() first (it deletes the remains of every lost step)",
-                        number,
-                        latest,
-                    )
-            default = lost.name if lost is not None else self.naming.name(number)
-            name = view[number].name if number in view else local.get(number, default)
-            below = [s for s in view if s < number]
-            base = view[max(below)].name if self.incremental and below and self._tiers is None else None
-            return name, base, info, replace
-
-        name, base, info, replace = self._rank0(plan, check)
-        record = {
-            "step": int(step),
-            "metadata": info if lead else {},
-            "base": base,
-            "retention": self.retention.to_json(),
-        }
-        try:
-            if self._tiers is not None:
-                if overwrite:
-                    self._tiers.tiers.undrain(name)  # this node's copy is replaced: its drain is due again
-                writer = self._tiers.tiers.writer(name, overwrite=bool(overwrite or replace), record=record)
-                self._tiers.tiers.in_flight = name
-            else:
-                writer = self._storage.writer(name, base=base, overwrite=bool(overwrite), record=record)
-        except CheckpointExistsError as exc:
-            raise conflict(self.root, int(step), exc) from exc
-        pending = InFlightSave(int(step), name, base, writer, overwrite=bool(overwrite))
-        self._background.begin(pending)
-        return pending
-
-    def _local_committed(self, pending: InFlightSave, group: Any) -> None:
-        """With a local tier, right after ``pending`` committed there (collective): the step's control files to
-        every node, and its replication and drain behind training."""
-        if self._tiers is not None:
-            self._tiers.tiers.in_flight = None
-            self._tiers.committed(pending.step, pending.name, group, pending.overwrite)
+        return self._saves.async_save(step, state, metadata, overwrite, planner)
 
     def _drained(self, step: int, name: str, record: bytes | None) -> None:
         """Rank 0, on the tier worker: step ``name`` committed in the object store (a drain)."""
@@ -422,29 +299,12 @@ class CheckpointManager:
                 log.warning("the record of drained step %d cannot be read: %s", step, exc)
         self._background.request_retention()
 
-    def _committed(self, pending: InFlightSave) -> Any:
-        """What the commit of ``pending`` changes (rank 0): the view, the step's record, a retention pass."""
-
-        def record() -> None:
-            if self._groups.rank() != 0 or self._tiers is not None:
-                return
-            written = getattr(pending.writer, "written", None)
-            self._view.committed(pending.step, pending.name)
-            if isinstance(written, StepRecord):
-                self._storage.catalog.remember(pending.name, written)
-            self._background.request_retention()
-
-        return record
-
-    def _failure_of(self, pending: InFlightSave, error: BaseException) -> BaseException:
-        return failure_of(self.root, pending.step, error, self._groups.rank() if self._groups.active else None)
-
     # -- retention --------------------------------------------------------------------
     def _retention_pass(self, uploads: bool) -> PassReport:
         seq = self._view.seq
         pending = self._background.in_flight()
         in_flight = InFlight(pending.name, pending.base) if pending is not None else None
-        draining = self._tiers.draining if self._tiers is not None else None
+        draining = self._home.draining()
         if draining is not None:  # with a local tier, the save that writes to the root is the drain
             in_flight = InFlight(draining)
         report = run_pass(
@@ -477,51 +337,27 @@ class CheckpointManager:
         job that follows another job's run.
         """
         self._check_open()
-        if self._tiers is not None:
-            return self._load_tiered(state, step, planner, refresh)
-        return self._load_remote(state, step, planner, refresh)
-
-    def _load_tiered(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
-        driver = self._tiers
-        assert driver is not None
-        driver.prefetch(lambda: {s: d.name for s, d in self._view.current(refresh).items()})
-        loaded = driver.load(
-            state,
-            step,
-            planner,
-            remote=lambda: {s: d.name for s, d in self._view.current(refresh).items()},
-            rank0=self._rank0,
-            load_remote=lambda chosen: self._load_remote(state, chosen, planner, refresh),
-            group=self._groups.user,
-        )
-        driver.recover(self._view.current)  # after the load: it waits for nothing the load needs
-        return loaded
+        return self._home.load(self, state, step, planner, refresh)
 
     def discard_lost(self) -> list[int]:
         """Delete the remains of the lost steps (see :meth:`load`) from every node's local tier, and return them,
         oldest first: what a job that chooses to start afresh calls before its first save. The object store is
         listed anew first (a step it holds is never lost); [] without a local tier. Collective."""
         self._check_open()
-        if self._tiers is None:
-            return []
-        return self._tiers.discard_lost(lambda: self._view.current(True))
-
-    def _load_remote(self, state: dict[str, Any], step: int | None, planner: Any, refresh: bool) -> int | None:
-        return load_from_root(self, state, step, planner, refresh)
+        return self._home.discard_lost(lambda: self._view.current(True))
 
     # -- end ----------------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for the save in flight and (on rank 0) the retention it started; raise the save's error if it
         failed. Not collective."""
         self._background.settle_pending(raise_failure=True)
-        if self._tiers is not None:
-            self._tiers.wait()
+        self._home.wait()
         self._background.wait_retention()
 
     @property
     def tier_stats(self) -> TierStats | None:
         """What the local tier, its peers and its drain did, and which drains wait (None without ``local=``)."""
-        return self._tiers.stats if self._tiers is not None else None
+        return self._home.stats()
 
     def close(self) -> None:
         """Wait for the save in flight and the deletions (see :meth:`wait`), then release the manager's threads
@@ -530,8 +366,7 @@ class CheckpointManager:
             return
         try:
             self._background.settle_pending(raise_failure=False)
-            if self._tiers is not None:
-                self._tiers.close()
+            self._home.close()
             self._background.close()
         finally:
             self._closed = True

@@ -2,15 +2,15 @@
 storage).
 
 A :class:`RunStorage` opens the root's store (lazily, in each process; it
-pickles as configuration), lists it through a :class:`~.catalog.Catalog`,
+pickles as configuration), lists it through a :class:`~.steps.catalog.Catalog`,
 and builds the writer of a step (a :class:`~.writer.StepWriter`) and its
 reader. Every store request the manager itself makes goes through
 :attr:`RunStorage.store` and is counted in :attr:`RunStorage.requests`.
 
 The manager's three seams to storage are here and beside it: where a step's
 writer and reader are made (:meth:`RunStorage.writer`, :meth:`RunStorage.reader`),
-where "committed" is decided (:meth:`Catalog.list <.catalog.Catalog.list>`), and
-where retention runs against one store (:func:`.retention.run_pass`, given a
+where "committed" is decided (:meth:`Catalog.list <.steps.catalog.Catalog.list>`), and
+where retention runs against one store (:func:`.retention.passes.run_pass`, given a
 catalog). Tiers of storage (a node-local copy, peer replicas, a drain to the
 object store) are meant to be other storages composed at these three points,
 not forks of the writers and readers.
@@ -31,8 +31,8 @@ from ..locations import Backend, StoreConfig, open_location, parse_root
 from ..store.protocol import ObjectStore
 from ..store.retry import RetryHooks, RetryingStore
 from ..uri import CheckpointURI
-from .catalog import Catalog
-from .naming import StepNaming
+from .steps.catalog import Catalog
+from .steps.naming import StepNaming
 from .writer import StepWriter
 
 
@@ -202,12 +202,12 @@ class RunStorage:
         them, with one warning), every request counted."""
         import dataclasses
 
-        from ..maintenance.collect import _pending_uploads
+        from ..maintenance.collect import pending_uploads
 
         store = self.store
         with self._lock:
             root = dataclasses.replace(self._opened, store=store)
-        uploads, _ = _pending_uploads(root)
+        uploads, _ = pending_uploads(root)
         return uploads
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from ..format.createonly import put_create_only
 from ..format.layout import METADATA_NAME, STEP_INFO_NAME
 from ..locations import Backend
 from ..store.clients import environment_digest
-from .stepinfo import StepRecord, objects_of
+from .steps.stepinfo import StepRecord, objects_of
 
 
 class StepWriter(CloudWriter):

@@ -290,8 +290,16 @@ def default_case(w1: int, w2: int, target: str, kind: str, items: tuple[Item, ..
 
 def option_values(kind: str, target: str, scopes: tuple[str, ...]) -> Any:
     """A strategy for one drawn value of every option of ``scopes`` (that applies to ``kind`` and ``target``)."""
-    chosen = [o for o in OPTIONS if o.scope in scopes and applicable(o, kind, target)]
+    chosen = [o for o in OPTIONS if o.scope in scopes and applicable(o, kind, target) and not o.derived]
     return st.fixed_dictionaries({o.name: st.sampled_from(o.values) for o in chosen})
+
+
+def derived_values(kind: str, target: str, draws: Any) -> dict[str, Any]:
+    """The values of the ``derived`` options that apply to ``kind`` and ``target``, each picked by a CRC32 of
+    ``draws`` (the case's other draws) and its name, so that they take no draw of their own."""
+    seed = repr(draws).encode()
+    chosen = [o for o in OPTIONS if o.derived and applicable(o, kind, target)]
+    return {o.name: o.values[zlib.crc32(o.name.encode(), zlib.crc32(seed)) % len(o.values)] for o in chosen}
 
 
 @st.composite
@@ -306,13 +314,8 @@ def cases(draw: Any, targets: tuple[str, ...], kinds: dict[str, str]) -> Case:
     kind = kinds[target]
     scopes = ("writer", "reader", "staging", "s3", "gcs", "azure", "save", "load", "case")
     options = draw(option_values(kind, target, scopes))
-    case = Case(
-        w1,
-        w2,
-        target,
-        tuple(items),
-        options,
-        draw(option_values(kind, target, ("transfer",))),
-        draw(option_values(kind, target, ("transfer",))),
-    )
-    return case
+    save_transfer = draw(option_values(kind, target, ("transfer",)))
+    load_transfer = draw(option_values(kind, target, ("transfer",)))
+    draws = (w1, w2, target, items, sorted(options.items()), sorted(save_transfer.items()))
+    options.update(derived_values(kind, target, draws))
+    return Case(w1, w2, target, tuple(items), options, save_transfer, load_transfer)

@@ -56,6 +56,10 @@ class Option:
     #: Target names it applies to, within its kinds (None: every target of those kinds); an option a server
     #: cannot honour is not drawn there, so it neither wastes that store's cases nor shifts their draws.
     targets: tuple[str, ...] | None = None
+    #: Chosen from a hash of the case's other draws instead of drawn: an option added for some stores then
+    #: leaves the derandomized tiers' draws of those stores as they were (their layouts, their books). The
+    #: long tier's random draws still vary it with every case.
+    derived: bool = False
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -108,9 +112,26 @@ OPTIONS: tuple[Option, ...] = (
     ),
     # -- GCSConfig -----------------------------------------------------------------------------------------
     Option("transport_checksums", "gcs", (DEFAULT, False), kinds=("gcs",)),
+    #: GCSConfig.object_options on fake-gcs-server (fuzz_targets.gcs_object_options): a storage class (kept by the
+    #: emulator), requester pays, a customer key (allowed over the emulator's http), a KMS key, or three of them;
+    #: the emulator accepts all of them, so every GCS target takes it. Named apart from S3's. Derived, not
+    #: drawn: the GCS share of the CI tier keeps the layouts (and the discriminating incremental checks) it drew.
+    Option(
+        "gcs_object_options",
+        "gcs",
+        (DEFAULT, "storage_class", "user_project", "csek", "cmek", "all"),
+        kinds=("gcs",),
+        derived=True,
+    ),
     # -- AzureConfig: its transport_checksums (DEFAULT on Azurite's http:// endpoint: a Content-MD5 on every
     # upload); named apart from GCS's, as names are unique in the table -----------------------------------------
     Option("azure_transport_checksums", "azure", (DEFAULT, False), kinds=("azure",)),
+    #: AzureConfig.object_options (fuzz_targets.azure_object_options; Azure targets only), with what Azurite
+    #: honours: an access tier and index tags it keeps, and an encryption scope it accepts (it refuses
+    #: customer-provided keys; an archived blob cannot be read back). A copy "beside" copies with them: Copy
+    #: Blob with the tier and tags, through the process with the scope ("all"). Derived, not drawn: the Azure
+    #: share of the CI tier keeps the layouts (and the discriminating incremental checks) it drew before.
+    Option("azure_object_options", "azure", (DEFAULT, "tier", "tags", "all"), kinds=("azure",), derived=True),
     # -- how the case calls DCP ----------------------------------------------------------------------------
     #: dcp.save, or dcp.async_save through the writer's staging pool.
     Option("async_save", "save", (False, True)),

@@ -32,7 +32,7 @@ from fuzz_options import Target
 from hypothesis import strategies as st
 
 from dcp_cloud import CheckpointManager, RetentionPolicy, StoreError
-from dcp_cloud.run.policy import Candidate, decide
+from dcp_cloud.run.retention.policy import Candidate, decide
 from dcp_cloud.testing.tripwire import Tripwire, TripwireBackend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)

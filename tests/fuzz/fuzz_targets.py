@@ -135,16 +135,43 @@ def store_config(target: Target, store: dict[str, Any]) -> Any:
     return None
 
 
+def gcs_object_options(drawn: str) -> Any:
+    """The GCSObjectOptions a case's ``gcs_object_options`` draw names."""
+    from dcp_cloud.store.gcs import GCSObjectOptions
+
+    cls = {"storage_class": "NEARLINE"}
+    payer = {"user_project": "fuzz-billing"}
+    csek = {"customer_encryption_key": bytes(range(32)), "allow_customer_encryption_key_over_http": True}
+    cmek = {"kms_key_name": "projects/fuzz/locations/eu/keyRings/ring/cryptoKeys/key"}
+    choice = {"storage_class": cls, "user_project": payer, "csek": csek, "cmek": cmek, "all": {**cls, **payer, **csek}}
+    return GCSObjectOptions(**choice[drawn])  # type: ignore[arg-type]
+
+
 def _gcs_config(target: Target, store: dict[str, Any]) -> Any:
     from dcp_cloud.store.gcs import GCSConfig
 
-    return GCSConfig(endpoint=target.endpoint_url, **store)
+    kwargs = dict(store)
+    if "gcs_object_options" in kwargs:
+        kwargs["object_options"] = gcs_object_options(kwargs.pop("gcs_object_options"))
+    return GCSConfig(endpoint=target.endpoint_url, **kwargs)
+
+
+def azure_object_options(drawn: str) -> Any:
+    """The AzureObjectOptions a case's ``azure_object_options`` draw names."""
+    from dcp_cloud.store.azure import AzureObjectOptions
+
+    tier = {"access_tier": "Cool"}
+    tags = {"tags": {"fuzz": "yes", "run id": "a/b c"}}
+    choice = {"tier": tier, "tags": tags, "all": {**tier, **tags, "encryption_scope": "fuzzscope"}}[drawn]
+    return AzureObjectOptions(**choice)  # type: ignore[arg-type]
 
 
 def _azure_config(target: Target, store: dict[str, Any]) -> Any:
     from dcp_cloud.store.azure import AzureConfig
 
     fields = {"transport_checksums": store["azure_transport_checksums"]} if "azure_transport_checksums" in store else {}
+    if "azure_object_options" in store:
+        fields["object_options"] = azure_object_options(store["azure_object_options"])
     return AzureConfig(endpoint=target.endpoint_url, **fields)
 
 

@@ -115,7 +115,7 @@ class Checks:
             self.expect(not lost_notes, f"{what}: no lost step to warn about, but: {lost_notes}")
 
     def naming(self, step: int) -> str:
-        from dcp_cloud.run.naming import StepNaming
+        from dcp_cloud.run.steps.naming import StepNaming
 
         return StepNaming().name(step)
 
@@ -148,7 +148,7 @@ class Checks:
             self.expect(have == want[node], f"node {node} holds {show(have)}, the model says {show(want[node])}")
 
     def _held(self, directory: Path) -> dict[int, frozenset[int]]:
-        from dcp_cloud.run.naming import StepNaming
+        from dcp_cloud.run.steps.naming import StepNaming
 
         out = {}
         for step_dir in sorted(directory.glob("*")) if directory.is_dir() else []:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dcp_cloud import RetentionPolicy
-from dcp_cloud.run.policy import Candidate, decide
+from dcp_cloud.run.retention.policy import Candidate, decide
 
 
 @dataclass

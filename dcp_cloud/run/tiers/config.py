@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ...config import TransferConfig
 from ...errors import ConfigError
-from ..policy import RetentionPolicy
+from ..retention.policy import RetentionPolicy
 
 
 @dataclass(frozen=True)

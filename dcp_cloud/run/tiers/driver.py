@@ -33,7 +33,7 @@ from typing import Any
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpCloudError, StepLostError
 from ...format.layout import METADATA_NAME
 from ..group import exchange
-from ..naming import check_step
+from ..steps.naming import check_step
 from .plan import LostStep, Tiers, complete_steps, known_steps, lost_steps
 from .restore import load_local
 from .runtime import LocalTiers

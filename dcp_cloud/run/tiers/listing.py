@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ...format.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
-from ..naming import StepNaming
+from ..steps.naming import StepNaming
 
 #: Written into a local step directory once its drain to the object store committed.
 DRAINED_NAME = ".drained"

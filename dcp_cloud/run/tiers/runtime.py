@@ -18,8 +18,8 @@ import torch.distributed as dist
 from ...format.layout import METADATA_NAME, STEP_INFO_NAME
 from ...locations import LocalBackend
 from ..group import Groups, exchange
-from ..naming import StepNaming
-from ..stepinfo import StepRecord
+from ..steps.naming import StepNaming
+from ..steps.stepinfo import StepRecord
 from ..storage import RunStorage
 from ..writer import StepWriter
 from .config import LocalTier

@@ -23,7 +23,7 @@ from ...format.createonly import put_create_only
 from ...format.layout import METADATA_NAME, STEP_INFO_NAME, load_metadata
 from ...store.clients import environment_digest
 from ..group import exchange
-from ..policy import Candidate, decide
+from ..retention.policy import Candidate, decide
 from .crashpoints import reached
 from .listing import mark_drained, scan
 from .p2p import FileMove, move_files
@@ -163,11 +163,11 @@ def drain(
                     dst.store.put(f"{dst.prefix}/{STEP_INFO_NAME}", record)
                 cache = (dst.backend, dst.bucket, environment_digest()) if dst.backend is not None else None
                 if overwrite:
-                    from ...maintenance.copying import _delete_unreferenced
+                    from ...maintenance.copying import delete_unreferenced
 
                     dst.store.put(f"{dst.prefix}/{METADATA_NAME}", metadata_bytes)
                     needs = load_metadata(metadata_bytes, METADATA_NAME).storage_data.values()
-                    _delete_unreferenced(dst, {str(info.relative_path) for info in needs})
+                    delete_unreferenced(dst, {str(info.relative_path) for info in needs})
                     return record
                 try:
                     put_create_only(dst.store, f"{dst.prefix}/{METADATA_NAME}", metadata_bytes, cache)

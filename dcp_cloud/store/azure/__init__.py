@@ -19,6 +19,9 @@ translated by the single function :func:`.errors._translate`. Whole objects are 
 list (:mod:`.blocks`); reads are Get Blob with ``x-ms-range``, read straight into the caller's buffers;
 copies are Copy Blob inside the service. With transport checksums (``AzureConfig.transport_checksums``:
 by default on plain-http endpoints) every upload body carries ``Content-MD5``, which the service checks.
+:attr:`AzureConfig.object_options` (:class:`.objectopts.AzureObjectOptions`) adds an encryption scope or a
+customer-provided key, an access tier and index tags to every request that takes them (:mod:`.objectopts`
+says which); copies that need a scope or a key go through this process (:mod:`.copy`).
 
 What Azurite 3.37 (the emulator the tests run on) does and does not honour is listed in the docs'
 S3/GCS/Azure compatibility reference; the tests assert each of those facts.
@@ -26,6 +29,7 @@ S3/GCS/Azure compatibility reference; the tests assert each of those facts.
 
 from .config import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_PUT_BLOB_SIZE, AzureConfig, check_container
 from .errors import _translate  # noqa: F401 - imported from here by the tests
+from .objectopts import AzureObjectOptions
 from .store import AZURE_PART_LIMITS, AzureStore
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_PUT_BLOB_SIZE",
     "AzureConfig",
+    "AzureObjectOptions",
     "AzureStore",
     "check_container",
 ]

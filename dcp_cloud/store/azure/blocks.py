@@ -38,6 +38,7 @@ from ...errors import ObjectNotFoundError, PreconditionFailedError, StoreError
 from ..payload import Payload, payload_size, payload_views
 from ..protocol import ObjectInfo, PartInfo, PendingUpload
 from .config import MAX_BLOCKS
+from .objectopts import PUT_BLOCK, PUT_BLOCK_LIST
 
 _log = logging.getLogger("dcp_cloud.store.azure")
 
@@ -67,7 +68,7 @@ def block_list_xml(ids: Sequence[str]) -> bytes:
 
 class _BlockUploads:
     """The multipart methods of :class:`~dcp_cloud.store.azure.store.AzureStore` (a mixin that relies on
-    the store's ``_client``, ``_fail``, ``_md5_header``, ``url`` and ``list``)."""
+    the store's ``_client``, ``_fail``, ``_md5_header``, ``_options``, ``url`` and ``list``)."""
 
     def _check_upload_id(self, key: str, upload_id: str) -> None:
         if not isinstance(upload_id, str) or not _UPLOAD_ID_RE.match(upload_id):
@@ -86,7 +87,7 @@ class _BlockUploads:
                 self.bucket,
                 key,
                 query={"comp": "block", "blockid": ident},
-                headers=self._md5_header(views),
+                headers={**self._md5_header(views), **self._options(PUT_BLOCK)},
                 body=views,
                 ok=(201,),
             )
@@ -129,6 +130,7 @@ class _BlockUploads:
                 raise StoreError(f"part {part.number} of {self.url(key)} was not uploaded by upload {upload_id}")
             ids.append(expected)
         headers = {"Content-Type": "application/xml", "x-ms-blob-content-type": "application/octet-stream"}
+        headers.update(self._options(PUT_BLOCK_LIST))
         if create_only:
             headers["If-None-Match"] = "*"
         try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ...errors import ConfigError
+from .objectopts import AzureObjectOptions
 
 MiB = 1024 * 1024
 
@@ -53,11 +54,12 @@ def check_container(name: str) -> None:
 
 @dataclass(frozen=True)
 class AzureConfig:
-    """How to reach Azure Blob Storage. Everything here is picklable and free of secrets.
+    """How to reach Azure Blob Storage. Everything here is picklable and free of credentials.
 
     Credentials are never part of the config: they come from the environment in
     each process that uses the store (see :mod:`dcp_cloud.store.azure`), or from
-    an in-process ``credential=`` object.
+    an in-process ``credential=`` object. The one secret it may hold is a
+    customer-provided encryption key in :attr:`object_options` (never shown).
     """
 
     #: Storage account name (3-24 lowercase letters and digits). ``None``: ``AZURE_STORAGE_ACCOUNT``, the
@@ -74,6 +76,9 @@ class AzureConfig:
     #: the CRC32C that every save records per item catches damage at rest on load and ``verify``. MD5 costs
     #: about 1.7 s of CPU per GiB uploaded.
     transport_checksums: bool | None = None
+    #: Encryption scope or customer-provided key, access tier and index tags of every blob and request: see
+    #: :class:`~dcp_cloud.store.azure.objectopts.AzureObjectOptions`. ``None``: the container's defaults.
+    object_options: AzureObjectOptions | None = None
 
     def __post_init__(self) -> None:
         if self.account is not None:
@@ -104,3 +109,10 @@ class AzureConfig:
             self.transport_checksums is None or isinstance(self.transport_checksums, bool),
             f"AzureConfig.transport_checksums must be True, False or None, got {self.transport_checksums!r}",
         )
+        _require(
+            self.object_options is None or isinstance(self.object_options, AzureObjectOptions),
+            "AzureConfig.object_options must be an AzureObjectOptions or None, "
+            f"got {type(self.object_options).__name__}",
+        )
+        if self.object_options is not None:
+            self.object_options.check_endpoint(self.endpoint)

@@ -8,7 +8,6 @@ import email.utils
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +15,6 @@ from ...errors import (
     ConfigError,
     CorruptCheckpointError,
     DcpCloudError,
-    ObjectNotFoundError,
     StoreError,
     TransientStoreError,
 )
@@ -29,7 +27,9 @@ from .auth import resolve
 from .blocks import _BlockUploads
 from .client import AzureBlobClient, parse_xml
 from .config import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_PUT_BLOB_SIZE, AzureConfig, _require, check_container
+from .copy import copy_blob, copy_through
 from .errors import AzureHTTPError, _translate, _url
+from .objectopts import GET_BLOB, GET_BLOB_PROPERTIES, PUT_BLOB, option_headers
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -38,8 +38,6 @@ _R = TypeVar("_R")
 AZURE_PART_LIMITS = PartLimits(min_part_size=1, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS)
 #: Names asked for per List Blobs page (Azure's maximum).
 _LIST_PAGE = 5000
-#: Longest a server-side copy may stay pending before it is given up (seconds).
-_COPY_WAIT = 600.0
 
 
 def _epoch(headers_value: str | None) -> float | None:
@@ -133,11 +131,23 @@ class AzureStore(_BlockUploads):
             parts.append("credential=<explicit>")
         return f"AzureStore({', '.join(parts)})"
 
+    def _sibling(self, container: str) -> AzureStore:
+        """A store of another container with this one's config and credential (it shares the client)."""
+        return AzureStore(
+            container,
+            self.config,
+            credential=self._credential,
+            request_timeout=self.request_timeout,
+            max_connections=self.max_connections,
+        )
+
     def url(self, key: str) -> str:
         return _url("", self.bucket, key)
 
     def _make_client(self) -> AzureBlobClient:
         resolved = resolve(self.config, self._credential)
+        if self.config.object_options is not None:  # the endpoint may have come from the environment
+            self.config.object_options.check_endpoint(resolved.endpoint)
         return AzureBlobClient(resolved, timeout=self.request_timeout, max_connections=self.max_connections)
 
     def _client(self) -> AzureBlobClient:
@@ -187,6 +197,10 @@ class AzureStore(_BlockUploads):
         if len(key) > 1024:
             raise StoreError(f"blob name {key[:60]!r}... has {len(key)} characters; Azure takes at most 1024")
 
+    def _options(self, op: str) -> dict[str, str]:
+        """The headers of ``AzureConfig.object_options`` that the request ``op`` takes (see objectopts)."""
+        return option_headers(self.config.object_options, op)
+
     def _md5s(self) -> bool:
         """Whether uploads carry Content-MD5 (see AzureConfig.transport_checksums)."""
         wanted = self.config.transport_checksums
@@ -230,6 +244,7 @@ class AzureStore(_BlockUploads):
                 "larger blobs are uploaded in blocks (lower TransferConfig.part_size)"
             )
         headers = {"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **self._md5_header(views)}
+        headers.update(self._options(PUT_BLOB))
         if create_only:
             headers["If-None-Match"] = "*"
         try:
@@ -247,7 +262,11 @@ class AzureStore(_BlockUploads):
             raise CorruptCheckpointError(f"{self.url(key)}: negative read offset {start}")
         try:
             response = self._client().request(
-                "GET", self.bucket, key, headers={"x-ms-range": f"bytes={start}-{start + total - 1}"}, stream=True
+                "GET",
+                self.bucket,
+                key,
+                headers={"x-ms-range": f"bytes={start}-{start + total - 1}", **self._options(GET_BLOB)},
+                stream=True,
             )
         except Exception as exc:
             raise self._fail(exc, key) from exc
@@ -270,7 +289,7 @@ class AzureStore(_BlockUploads):
 
     def get(self, key: str) -> bytes:
         try:
-            response = self._client().request("GET", self.bucket, key)
+            response = self._client().request("GET", self.bucket, key, headers=self._options(GET_BLOB))
         except Exception as exc:
             raise self._fail(exc, key) from exc
         data = response.data
@@ -284,7 +303,7 @@ class AzureStore(_BlockUploads):
 
     def head(self, key: str) -> ObjectInfo:
         try:
-            response = self._client().request("HEAD", self.bucket, key)
+            response = self._client().request("HEAD", self.bucket, key, headers=self._options(GET_BLOB_PROPERTIES))
         except Exception as exc:
             raise self._fail(exc, key) from exc
         return self._info(key, int(response.headers.get("Content-Length") or 0), response.headers)
@@ -352,32 +371,11 @@ class AzureStore(_BlockUploads):
         self._parallel(self._delete_one, list(dict.fromkeys(keys)))
 
     def copy(self, source_key: str, key: str, *, source_bucket: str | None = None) -> ObjectInfo:
-        """Copy Blob (within the account: authorized by this store's credentials); a copy the service runs
-        in the background is waited for."""
+        """Copy Blob inside the service, or through this process where ``object_options`` has an encryption
+        scope or a customer-provided key, which Copy Blob does not take (see :mod:`.copy`)."""
         self._check_key(key)
-        client = self._client()
-        source = client.blob_url(source_bucket or self.bucket, source_key)
-        try:
-            response = client.request("PUT", self.bucket, key, headers={"x-ms-copy-source": source}, ok=(202, 201))
-            status = response.headers.get("x-ms-copy-status")
-            delay, deadline = 0.05, time.monotonic() + _COPY_WAIT
-            while status == "pending":
-                if time.monotonic() > deadline:
-                    raise TransientStoreError(f"the copy to {self.url(key)} is still pending after {_COPY_WAIT:g}s")
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-                status = client.request("HEAD", self.bucket, key).headers.get("x-ms-copy-status")
-            if status not in (None, "success"):
-                raise StoreError(f"the service copy of {source_key!r} to {self.url(key)} ended {status!r}")
-            head = client.request("HEAD", self.bucket, key)
-        except AzureHTTPError as exc:
-            if exc.status == 404 and exc.code != "ContainerNotFound":
-                raise ObjectNotFoundError(
-                    f"{_url('', source_bucket or self.bucket, source_key)} does not exist (copy source)"
-                ) from exc
-            raise self._fail(exc, key) from exc
-        except DcpCloudError:
-            raise
-        except Exception as exc:
-            raise self._fail(exc, key) from exc
-        return self._info(key, int(head.headers.get("Content-Length") or 0), head.headers)
+        options = self.config.object_options
+        if options is not None and not options.copies_in_service:
+            bucket = source_bucket or self.bucket
+            return copy_through(self if bucket == self.bucket else self._sibling(bucket), self, source_key, key)
+        return copy_blob(self, source_key, key, source_bucket)

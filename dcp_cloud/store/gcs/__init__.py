@@ -75,6 +75,14 @@ so which path a ``create_only`` :meth:`~GCSStore.put` takes depends on its size:
 fake-gcs-server also ignores preconditions on ``compose``, so a
 ``create_only`` :meth:`~GCSStore.complete_multipart` makes the same pre-check.
 
+Object options
+--------------
+:attr:`GCSConfig.object_options` (:class:`~dcp_cloud.store.gcs.objectopts.GCSObjectOptions`: CMEK, CSEK,
+requester pays, storage class) adds its query parameters and headers to every request it applies to, from
+the one module :mod:`dcp_cloud.store.gcs.objectopts`; with a storage class, the store's uploads go as
+``uploadType=multipart`` (the object resource, then the caller's buffer, still not copied). Left at ``None``
+nothing changes on the wire.
+
 "Multipart" = parallel composite upload
 ---------------------------------------
 Multipart uploads are composite uploads (``compose``, at most 32 sources per call); how they work,
@@ -84,7 +92,8 @@ what their temporary objects are called and how a retried completion resumes is 
 What fake-gcs-server (v1.54) exercises: media and multipart uploads, ranged
 downloads (416 past the end, short 206 bodies at the end), compose (32-source
 limit), listing, deletes, ``ifGenerationMatch=0`` on multipart uploads. What it
-does not: it ignores the CRC32C sent with uploads (header or metadata),
+does not: it ignores the CRC32C sent with uploads (header or metadata), CMEK, CSEK and ``userProject``
+(accepted, not kept or enforced), a storage class given to compose or rewrite (kept only from uploads),
 ``ifGenerationMatch`` on media uploads and on compose, and
 ``ifSourceGenerationMatch``; it does not implement the JSON batch endpoint (so
 deletes are individual requests, issued in parallel); it answers 500 instead of
@@ -98,6 +107,7 @@ request and of the translation, not end to end.
 from .compose import COMPOSE_MAX_SOURCES, PARTS_MARKER  # noqa: F401 - public names of the old module
 from .config import GCSConfig
 from .errors import _translate  # noqa: F401 - imported from here by the tests
+from .objectopts import GCSObjectOptions
 from .store import GCSStore, MiB, TiB  # noqa: F401 - MiB, TiB: public names of the old module
 
-__all__ = ["GCSConfig", "GCSStore"]
+__all__ = ["GCSConfig", "GCSObjectOptions", "GCSStore"]

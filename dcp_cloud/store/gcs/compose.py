@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import StoreError, TransientStoreError
 from ..payload import Payload
 from ..protocol import ObjectInfo, PartInfo, PendingUpload
+from .objectopts import object_resource, request_headers, request_params
 
 if TYPE_CHECKING:  # pragma: no cover
     from google.cloud import storage
@@ -120,17 +121,34 @@ class _CompositeUploads:
         return PartInfo(number, str(info.version), info.size)
 
     def _compose(self, dest: str, sources: Sequence[tuple[str, int]], *, create_only: bool = False) -> storage.Blob:
-        """One compose call of ``sources`` ((name, generation) pairs) into ``dest``. Errors untranslated."""
-        bucket = self._bucket()
-        target = bucket.blob(dest)
+        """One compose call of ``sources`` ((name, generation) pairs) into ``dest``. Errors untranslated.
+
+        The request the library's ``Blob.compose`` makes, with the bucket's options added (the library's
+        compose sends neither a customer key nor ``kmsKeyName``)."""
+        options = self.config.object_options
+        target = self._blob(dest)
         target.content_type = "application/octet-stream"
-        target.compose(
-            [bucket.blob(name) for name, _ in sources],
-            if_generation_match=0 if create_only else None,
-            if_source_generation_match=[generation for _, generation in sources],
-            retry=None,
+        params: dict[str, Any] = dict(request_params(options, "compose"))
+        if create_only:
+            params["ifGenerationMatch"] = 0
+        # As the library sends it: each source's (unset) generation as null, its precondition the generation.
+        request = {
+            "sourceObjects": [
+                {"name": name, "generation": None, "objectPreconditions": {"ifGenerationMatch": generation}}
+                for name, generation in sources
+            ],
+            "destination": {**target._properties, **object_resource(options)},
+        }
+        resource = self._client_()._post_resource(
+            f"{target.path}/compose",
+            request,
+            query_params=params,
+            headers=request_headers(options, "compose"),
             timeout=self.request_timeout,
+            retry=None,
+            _target_object=target,
         )
+        target._set_properties(resource)
         return target
 
     def complete_multipart(

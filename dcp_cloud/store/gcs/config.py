@@ -1,4 +1,4 @@
-"""GCSConfig (how to reach GCS, picklable, free of secrets) and the resolution of credentials.
+"""GCSConfig (how to reach GCS, picklable, free of credentials) and the resolution of credentials.
 
 How credentials and the endpoint are chosen is described in the package docstring
 (:mod:`dcp_cloud.store.gcs`)."""
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError
+from .objectopts import GCSObjectOptions
 
 _SCOPES = (
     "https://www.googleapis.com/auth/devstorage.full_control",
@@ -26,7 +27,8 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class GCSConfig:
-    """How to reach GCS. Everything here is picklable and free of secrets."""
+    """How to reach GCS. Everything here is picklable and free of credentials (a customer encryption key in
+    ``object_options`` travels with it, pickled, but is never shown)."""
 
     #: Project for the client (billing/quota). ``None``: ``GOOGLE_CLOUD_PROJECT``
     #: or the project of the credentials. Bucket operations do not need one.
@@ -44,6 +46,9 @@ class GCSConfig:
     #: Send the CRC32C of every upload so the server rejects corrupted bytes,
     #: and verify whole-object downloads against the server's CRC32C.
     transport_checksums: bool = True
+    #: How every object is written and every request made (CMEK, CSEK, requester pays, storage class; see
+    #: :class:`~dcp_cloud.store.gcs.objectopts.GCSObjectOptions`). ``None``: the bucket's defaults.
+    object_options: GCSObjectOptions | None = None
 
     def __post_init__(self) -> None:
         if self.project is not None:
@@ -73,6 +78,12 @@ class GCSConfig:
             isinstance(self.transport_checksums, bool),
             f"GCSConfig.transport_checksums must be a bool, got {self.transport_checksums!r}",
         )
+        _require(
+            self.object_options is None or isinstance(self.object_options, GCSObjectOptions),
+            f"GCSConfig.object_options must be a GCSObjectOptions or None, got {type(self.object_options).__name__}",
+        )
+        if self.object_options is not None:
+            self.object_options.check_endpoint(self.endpoint)
 
 
 def _resolve_credentials(config: GCSConfig, credentials: Any) -> tuple[Any, str | None]:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from ...errors import DcpCloudError
 from ..protocol import ObjectInfo
 from .compose import _epoch
+from .objectopts import blob_kwargs
 
 
 class GCSStore(Protocol):
@@ -19,6 +20,7 @@ class GCSStore(Protocol):
 
     bucket: str
     request_timeout: float
+    config: Any  # GCSConfig (its object_options)
 
     def _check_key(self, key: str) -> None: ...
 
@@ -30,10 +32,17 @@ class GCSStore(Protocol):
 
 
 def rewrite_object(store: GCSStore, source_key: str, key: str, source_bucket: str | None = None) -> ObjectInfo:
-    """Copy ``source_bucket/source_key`` (default: the store's bucket) to ``key`` of the store's bucket."""
+    """Copy ``source_bucket/source_key`` (default: the store's bucket) to ``key`` of the store's bucket.
+
+    The store's object options apply to both ends: the request is billed to its ``user_project``, the source
+    is read with its customer key (``x-goog-copy-source-encryption-*``) and the copy is written with the key,
+    ``destinationKmsKeyName`` and storage class (the library sends them from the two blobs' settings)."""
     store._check_key(key)
     client = store._client_()
-    source = client.bucket(source_bucket or store.bucket).blob(source_key)
+    options = store.config.object_options
+    # The rewrite's userProject, destination key and storage class come from the target (store._blob); of the
+    # source the library sends only its key (x-goog-copy-source-encryption-*).
+    source = client.bucket(source_bucket or store.bucket).blob(source_key, **blob_kwargs(options))
     target = store._blob(key)
     try:
         token, _, _ = target.rewrite(source, retry=None, timeout=store.request_timeout)

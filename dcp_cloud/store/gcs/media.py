@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from ...errors import DcpCloudError, StoreError
 from ..rawbody import read_ranged_body
+from .objectopts import GCSObjectOptions, request_headers, request_params
 
 
 class GCSStore(Protocol):
@@ -28,6 +29,7 @@ class GCSStore(Protocol):
 
     bucket: str
     request_timeout: float
+    config: Any  # GCSConfig (its object_options)
 
     def _client_(self) -> Any: ...
 
@@ -67,12 +69,15 @@ def read_media_range(store: GCSStore, key: str, start: int, views: Sequence[memo
     try:
         client = store._client_()
         bucket, name = urllib.parse.quote(store.bucket, safe=""), urllib.parse.quote(key, safe="")
-        url = f"{api_base(client)}/download/storage/v1/b/{bucket}/o/{name}?alt=media"
+        options: GCSObjectOptions | None = store.config.object_options
+        query = urllib.parse.urlencode([("alt", "media"), *request_params(options, "read")])
+        url = f"{api_base(client)}/download/storage/v1/b/{bucket}/o/{name}?{query}"
         headers = {
             **getattr(client, "_extra_headers", {}),
             "User-Agent": client._connection.user_agent,
             "Accept-Encoding": "gzip",  # as the library's raw downloads: the stored bytes, never transcoded
             "Range": f"bytes={start}-{start + total - 1}",
+            **request_headers(options, "read"),
         }
         response = client._http.request("GET", url, headers=headers, stream=True, timeout=store.request_timeout)
         if response.status_code not in (200, 206):

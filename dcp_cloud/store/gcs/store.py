@@ -7,7 +7,6 @@ import concurrent.futures
 import io
 import os
 import threading
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,7 +20,7 @@ from ...errors import (
     StoreError,
 )
 from ..clients import shared_client
-from ..payload import Payload, ScatterReader, payload_bytes, payload_crc32c, payload_size, payload_views
+from ..payload import Payload, payload_bytes, payload_crc32c, payload_size, payload_views
 from ..protocol import ObjectInfo, PartLimits, StoreCapabilities
 from ..warmup import session_pool, warm_pool
 from .compose import PARTS_MARKER, _CompositeUploads, _epoch
@@ -29,6 +28,8 @@ from .config import GCSConfig, _require, _resolve_credentials
 from .copy import rewrite_object
 from .errors import _translate, _url
 from .media import api_base, read_media_range, target_views
+from .objectopts import blob_kwargs, bucket_kwargs
+from .upload import upload_views
 
 if TYPE_CHECKING:  # pragma: no cover
     import google.auth.credentials
@@ -140,6 +141,8 @@ class GCSStore(_CompositeUploads):
         credentials, project = self._resolve_credentials()
         options = ClientOptions(api_endpoint=self.config.endpoint) if self.config.endpoint else None
         client = storage.Client(project=project, credentials=credentials, client_options=options)
+        if self.config.object_options is not None:  # the endpoint may come from STORAGE_EMULATOR_HOST
+            self.config.object_options.check_endpoint(api_base(client))
         # google-cloud-storage >= 3.5 fetches bucket metadata (GET /b/<bucket>, with
         # the library's retries) on background threads to label trace spans, and
         # probes the bucket again after 404s. Those requests are not ours to make:
@@ -186,10 +189,17 @@ class GCSStore(_CompositeUploads):
             warm_pool(pool, min(connections, self.max_connections), self.request_timeout)
 
     def _bucket(self) -> storage.Bucket:
-        return self._client_().bucket(self.bucket)
+        """The library's bucket, carrying the options it sends on every request (``userProject``)."""
+        return self._client_().bucket(self.bucket, **bucket_kwargs(self.config.object_options))
 
     def _blob(self, name: str) -> storage.Blob:
-        return self._bucket().blob(name)
+        """The library's blob, carrying the options it sends on the requests of the blob (see
+        :mod:`~dcp_cloud.store.gcs.objectopts`)."""
+        options = self.config.object_options
+        blob = self._bucket().blob(name, **blob_kwargs(options))
+        if options is not None and options.storage_class is not None:
+            blob.storage_class = options.storage_class  # in the resource of its uploads and rewrites
+        return blob
 
     def _bucket_exists(self) -> bool:
         """False only if the bucket is known to be missing (used to explain an ambiguous 404).
@@ -199,7 +209,8 @@ class GCSStore(_CompositeUploads):
         if self._bucket_seen:
             return True
         try:
-            for _ in self._client_().list_blobs(self.bucket, max_results=1, retry=None, timeout=self.request_timeout):
+            client = self._client_()
+            for _ in client.list_blobs(self._bucket(), max_results=1, retry=None, timeout=self.request_timeout):
                 break
         except Exception as exc:  # noqa: BLE001 - any other answer leaves the 404 as it was
             return not isinstance(_translate(exc, self.bucket, None, missing="bucket"), BucketNotFoundError)
@@ -236,7 +247,8 @@ class GCSStore(_CompositeUploads):
 
     def check_bucket(self) -> None:
         try:
-            for _ in self._client_().list_blobs(self.bucket, max_results=1, retry=None, timeout=self.request_timeout):
+            client = self._client_()
+            for _ in client.list_blobs(self._bucket(), max_results=1, retry=None, timeout=self.request_timeout):
                 break
         except Exception as exc:
             raise _translate(exc, self.bucket, None, missing="bucket") from exc
@@ -260,37 +272,17 @@ class GCSStore(_CompositeUploads):
     def _upload_media(
         self, name: str, views: list[memoryview], *, create_only: bool, checksum_b64: str | None
     ) -> ObjectInfo:
-        """One JSON-API ``uploadType=media`` POST whose body is ``views`` themselves (never copied).
+        """One JSON-API upload POST whose body is ``views`` themselves (see :mod:`~dcp_cloud.store.gcs.upload`).
 
         Errors are raised untranslated.
         """
-        from google.api_core import exceptions as api_exceptions
-
         client = self._client_()
-        connection = client._connection
-        base = api_base(client)
-        params = [("uploadType", "media"), ("name", name)]
-        if create_only:
-            params.append(("ifGenerationMatch", "0"))
-        query = urllib.parse.urlencode(params, quote_via=urllib.parse.quote)
-        url = f"{base}/upload/storage/v1/b/{urllib.parse.quote(self.bucket, safe='')}/o?{query}"
-        headers = {
-            **getattr(client, "_extra_headers", {}),
-            "Content-Type": "application/octet-stream",
-            "User-Agent": connection.user_agent,
-        }
-        if checksum_b64 is not None:
-            headers["x-goog-hash"] = f"crc32c={checksum_b64}"  # the server rejects a mismatch (HTTP 400)
-        # requests / urllib3 / http.client hand a bytes-like body to the socket
-        # as is (Content-Length from len()); a body in pieces goes as a
-        # ScatterReader (Content-Length from its len(), pieces sent as views);
-        # an empty body must be b"" (an empty memoryview would be sent chunked).
-        body: Any = b"" if not views else views[0] if len(views) == 1 else ScatterReader(views)
-        response = client._http.request("POST", url, data=body, headers=headers, timeout=self.request_timeout)
-        if not 200 <= response.status_code < 300:
-            raise api_exceptions.from_http_response(response)
+        options = self.config.object_options
+        resource = upload_views(
+            self, options, name, views, create_only=create_only, checksum_b64=checksum_b64, api_base=api_base(client)
+        )
         blob = self._blob(name)
-        blob._set_properties(response.json())  # the object resource, parsed as reload() would
+        blob._set_properties(resource)  # the object resource, parsed as reload() would
         return ObjectInfo(name, int(blob.size or 0), str(blob.generation), _epoch(blob.updated))
 
     def _upload_multipart(self, name: str, views: list[memoryview], checksum_b64: str | None) -> ObjectInfo:
@@ -362,7 +354,7 @@ class GCSStore(_CompositeUploads):
     def _iter_blobs(self, prefix: str) -> Iterator[storage.Blob]:
         try:
             yield from self._client_().list_blobs(
-                self.bucket, prefix=prefix or None, retry=None, timeout=self.request_timeout
+                self._bucket(), prefix=prefix or None, retry=None, timeout=self.request_timeout
             )
         except Exception as exc:
             raise _translate(exc, self.bucket, prefix, missing="bucket") from exc

@@ -11,20 +11,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-from ...errors import ConfigError
+from ..optioncheck import check_customer_key, check_key_endpoint, check_tags, require
 
 _SSE = ("AES256", "aws:kms")
 _STORAGE_CLASS_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 _OWNER_RE = re.compile(r"^[0-9]{12}$")
 #: What S3 allows in tag keys and values: letters, digits, spaces and + - = . _ : / @
 _TAG_RE = re.compile(r"^[\w \t+\-=.:/@]*$")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -59,49 +54,34 @@ class S3ObjectOptions:
     expected_bucket_owner: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.sse is None or self.sse in _SSE, f"sse must be one of {_SSE} or None, got {self.sse!r}")
+        require(self.sse is None or self.sse in _SSE, f"sse must be one of {_SSE} or None, got {self.sse!r}")
         if self.kms_key_id is not None:
-            _require(
+            require(
                 isinstance(self.kms_key_id, str) and bool(self.kms_key_id.strip()),
                 f"kms_key_id must be a non-empty KMS key id, ARN or alias, got {self.kms_key_id!r}",
             )
-            _require(self.sse == "aws:kms", 'kms_key_id needs sse="aws:kms"')
+            require(self.sse == "aws:kms", 'kms_key_id needs sse="aws:kms"')
         if self.bucket_key is not None:
-            _require(isinstance(self.bucket_key, bool), f"bucket_key must be a bool or None, got {self.bucket_key!r}")
-            _require(self.sse == "aws:kms", 'bucket_key applies only to SSE-KMS: set sse="aws:kms"')
+            require(isinstance(self.bucket_key, bool), f"bucket_key must be a bool or None, got {self.bucket_key!r}")
+            require(self.sse == "aws:kms", 'bucket_key applies only to SSE-KMS: set sse="aws:kms"')
         if self.sse_customer_key is not None:
-            # Never echo the key itself.
-            _require(
-                isinstance(self.sse_customer_key, bytes) and len(self.sse_customer_key) == 32,
-                "sse_customer_key must be 32 bytes (an AES-256 key), e.g. os.urandom(32)",
-            )
-            _require(self.sse is None, "sse_customer_key (SSE-C) cannot be combined with sse: choose one")
-        _require(
+            check_customer_key(self.sse_customer_key, "sse_customer_key")
+            require(self.sse is None, "sse_customer_key (SSE-C) cannot be combined with sse: choose one")
+        require(
             isinstance(self.allow_sse_customer_key_over_http, bool),
             "allow_sse_customer_key_over_http must be a bool",
         )
         if self.storage_class is not None:
-            _require(
+            require(
                 isinstance(self.storage_class, str) and bool(_STORAGE_CLASS_RE.match(self.storage_class)),
                 f"storage_class must be an S3 storage class like 'STANDARD_IA', got {self.storage_class!r}",
             )
         if self.tags is not None:
-            _require(isinstance(self.tags, Mapping), f"tags must be a dict of str to str, got {self.tags!r}")
-            _require(len(self.tags) <= 10, f"S3 allows at most 10 tags per object, got {len(self.tags)}")
-            for k, v in self.tags.items():
-                _require(
-                    isinstance(k, str) and isinstance(v, str) and 1 <= len(k) <= 128 and len(v) <= 256,
-                    f"tags must map keys of 1-128 characters to values of 0-256, got {k!r}: {v!r}",
-                )
-                _require(
-                    bool(_TAG_RE.match(k) and _TAG_RE.match(v)),
-                    f"tag {k!r}: {v!r} has a character S3 refuses in tags: use letters, digits, spaces "
-                    "and + - = . _ : / @ only",
-                )
-            object.__setattr__(self, "tags", dict(self.tags))
-        _require(isinstance(self.requester_pays, bool), f"requester_pays must be a bool, got {self.requester_pays!r}")
+            tags = check_tags(self.tags, "S3", "object", _TAG_RE, "letters, digits, spaces and + - = . _ : / @")
+            object.__setattr__(self, "tags", tags)
+        require(isinstance(self.requester_pays, bool), f"requester_pays must be a bool, got {self.requester_pays!r}")
         if self.expected_bucket_owner is not None:
-            _require(
+            require(
                 isinstance(self.expected_bucket_owner, str) and bool(_OWNER_RE.match(self.expected_bucket_owner)),
                 f"expected_bucket_owner must be a 12-digit AWS account id, got {self.expected_bucket_owner!r}",
             )
@@ -113,11 +93,9 @@ class S3ObjectOptions:
         """ConfigError where an SSE-C key would go over plain http without the explicit allowance."""
         if self.sse_customer_key is None or self.allow_sse_customer_key_over_http:
             return
-        if endpoint_url is not None and urlsplit(endpoint_url).scheme != "https":
-            raise ConfigError(
-                "sse_customer_key (SSE-C) is sent only over https: the endpoint is plain http; for an emulator set "
-                "S3ObjectOptions(allow_sse_customer_key_over_http=True)"
-            )
+        check_key_endpoint(
+            endpoint_url, "sse_customer_key (SSE-C)", "S3ObjectOptions(allow_sse_customer_key_over_http=True)"
+        )
 
 
 # Operation groups (botocore's operation names).

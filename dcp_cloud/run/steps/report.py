@@ -7,10 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import DcpCloudError
+from ...errors import DcpCloudError
+from ..retention.passes import candidates
+from ..retention.policy import RetentionPolicy, decide
 from .catalog import Catalog, Directory, Listing
-from .policy import RetentionPolicy, decide
-from .retention import candidates
 
 
 @dataclass(frozen=True)

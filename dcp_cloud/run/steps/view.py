@@ -16,9 +16,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..errors import CheckpointNotFoundError, NotARunError
-from ..format.layout import METADATA_NAME
-from ..store.protocol import ObjectInfo
+from ...errors import CheckpointNotFoundError, NotARunError
+from ...format.layout import METADATA_NAME
+from ...store.protocol import ObjectInfo
 from .catalog import Catalog, Directory, Listing
 
 log = logging.getLogger("dcp_cloud.run")

@@ -2,7 +2,7 @@
 
 One pass (:func:`run_pass`), on the job's rank 0, off the training path:
 
-1. one listing of the root (:class:`~.catalog.Catalog`), and the record of
+1. one listing of the root (:class:`~..steps.catalog.Catalog`), and the record of
    each committed step not seen before (one GET each, once per job);
 2. :func:`~.policy.decide` over the committed steps, with the steps that
    readers hold leases on and the base of the save in flight;
@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DcpCloudError
-from ..format.layout import METADATA_NAME
-from ..store.protocol import ObjectInfo
-from .catalog import Catalog, Directory, Listing
+from ...errors import DcpCloudError
+from ...format.layout import METADATA_NAME
+from ...store.protocol import ObjectInfo
+from ..steps.catalog import Catalog, Directory, Listing
+from ..steps.stepinfo import token_of
 from .policy import Candidate, Decision, RetentionPolicy, decide
-from .stepinfo import token_of
 
 log = logging.getLogger("dcp_cloud.run")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, MissingMetricError
+from ...errors import ConfigError, MissingMetricError
 
 LATEST = "latest"
 BEING_READ = "being read"

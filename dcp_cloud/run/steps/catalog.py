@@ -15,11 +15,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError
-from ..format.createonly import PROBE_NAME
-from ..format.layout import METADATA_NAME, STEP_INFO_NAME, is_shard_path, load_metadata
-from ..store.protocol import ObjectInfo, ObjectStore
-from .leases import LEASES_DIR, Lease, parse_lease
+from ...errors import CorruptCheckpointError, ObjectNotFoundError
+from ...format.createonly import PROBE_NAME
+from ...format.layout import METADATA_NAME, STEP_INFO_NAME, is_shard_path, load_metadata
+from ...store.protocol import ObjectInfo, ObjectStore
+from ..retention.leases import LEASES_DIR, Lease, parse_lease
 from .naming import StepNaming
 from .stepinfo import Objects, StepRecord, objects_of, token_of
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import ConfigError, InvalidStepError
+from ...errors import ConfigError, InvalidStepError
 
 #: Names of checkpoints other tools save, recognised as steps (group 1: the step number).
 LEGACY_PATTERNS: tuple[str, ...] = (

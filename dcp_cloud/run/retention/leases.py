@@ -19,8 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..errors import DcpCloudError
-from ..store.protocol import ObjectInfo, ObjectStore
+from ...errors import DcpCloudError
+from ...store.protocol import ObjectInfo, ObjectStore
 
 log = logging.getLogger("dcp_cloud.run")
 

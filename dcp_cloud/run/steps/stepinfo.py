@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, CorruptCheckpointError
+from ...errors import ConfigError, CorruptCheckpointError
 
 #: Version of the record's schema.
 FORMAT = 1
